@@ -1,0 +1,437 @@
+"""Rewards and reported results: answer extraction, equivalence, reward, pass@k and maj@k.
+
+Paper: rStar2-Agent (arXiv 2508.20722), section 2.2 (the reward is a plain 0/1 outcome reward, "1 if the final
+answer is correct, 0 otherwise", no format or tool-use shaping) and section 5 (results are average pass@1 over
+16 samples per problem). Everything RL learns and everything we report rests on one question, "is this answer
+right?", so this module answers it strictly where a reward could be gamed and generously where mathematics says
+two answers are equal.
+
+How data flows:
+
+    response text --extract_answer--> the last \\boxed{...} inside <answer>...</answer> (or None: reward 0)
+    (pred, gold) --normalize--> both stripped of decoration ($, \\left, units, degrees, %, "x =", \\!)
+                 --fast path, in-process, microseconds--> plain numbers compared exactly as fractions,
+                                                          text answers ("\\text{(C)}", "\\text{east}") as words
+                 --otherwise: math-verify in a worker process--> parse to SymPy, decimals made exact, verify
+                 --> True / False  (a timeout or a crash is False)
+    reward = 1.0 if is_equiv(extract_answer(response), gold) else 0.0
+
+Grader decisions (each one is pinned by a test in tests/test_eval.py):
+  * A decimal equals only the number it denotes exactly: 0.5 == 1/2 and 27.0 == 27, but 0.333333 != 1/3 and
+    3.14 (or 3.14159265) != pi. math-verify alone rounds to 6 places, which accepts 3.141593 for pi.
+  * "%" is a unit, dropped like "cm" or a degree sign: 50\\% == 50, and 50\\% != 0.5. A number is never rescaled
+    by 100, so a gold 10 never accepts 0.1 or 1000 (the "include_percentage" leniency of Qwen-style graders).
+  * Sets (and comma lists, MATH's "enter all solutions") match in any order; tuples, points, vectors and
+    intervals must match element by element and bracket by bracket: (1,2) != (2,1), (3,4] != [3,4].
+  * "x = 5" == 5, units and degree signs are ignored, thousands separators (1,000 / 1{,}000 / 10,\\!080) and
+    leading zeros (AIME's "033") are read as one integer. A comma is a thousands separator only between groups of
+    exactly three digits with no space ("2,125"); "1, 2" and "1,22" are lists.
+  * Algebraically equal expressions are equal (math-verify simplifies): (x+1)^2 == x^2+2x+1.
+  * Predictions longer than MAX_ANSWER_CHARS are wrong: no answer needs them, and hedging lists or huge
+    expressions are how a policy would stall or game a grader.
+
+Bounded time, in any thread and under asyncio: math-verify's own timeouts use signal.alarm, which only works in
+the main thread (off it, parse() raises ValueError instead of grading). So the slow path runs in a few
+persistent worker processes: each grades one pair at a time under its own interval timer (a soft timeout that
+answers False and keeps the warm worker), and the caller waits at most a hard deadline, after which the worker
+is killed and restarted on next use (a computation stuck in C, such as 10^(10^10), never sees the soft timer).
+The paper gets the same guarantee by sending verification to its code-environment service (section 3.1).
+"""
+
+import atexit
+import functools
+import json
+import logging
+import math
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+from fractions import Fraction
+
+# Seconds a worker may spend on one pair before it answers False itself (soft), and the extra seconds the caller
+# waits before it kills the worker (hard deadline = GRADE_TIMEOUT_S + GRADE_KILL_GRACE_S).
+GRADE_TIMEOUT_S = 5.0
+GRADE_KILL_GRACE_S = 2.0
+WORKER_START_TIMEOUT_S = 120.0   # importing sympy + math-verify on a busy 2-core machine can take many seconds
+GRADER_WORKERS = max(1, min(4, os.cpu_count() or 1))   # worker processes, started lazily, one per busy caller
+WORKER_MEMORY_MB = 2048          # address-space cap: 10**(10**10) fails fast with MemoryError instead of swapping
+MAX_ANSWER_CHARS = 1000          # a prediction longer than this is wrong (see the module docstring)
+
+
+# ---- answer extraction
+
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+BOXED = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")   # \boxed{..}, \boxed 5, \fbox{..}; not \boxedfoo
+
+
+def answer_region(text: str) -> str:
+    """The text the answer must come from: inside the last <answer> ... </answer> when there is one (an unclosed
+    final <answer> runs to the end), else the whole response."""
+    start = text.rfind(ANSWER_OPEN)
+    if start < 0:
+        return text
+    region = text[start + len(ANSWER_OPEN):]
+    end = region.find(ANSWER_CLOSE)
+    return region if end < 0 else region[:end]
+
+
+def braced_group(text: str, start: int) -> str | None:
+    """The content of the {...} group that opens at text[start], honouring nesting and escaped braces (\\{ \\});
+    None when it is never closed (a truncated response)."""
+    depth, i = 0, start
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":           # skip the escaped character: \{ and \} are literal braces, \\ a line break
+            i += 2
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1:i]
+        i += 1
+    return None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} / \\fbox{...} / "\\boxed 5" in text; None if absent, empty or unclosed."""
+    matches = list(BOXED.finditer(text))
+    if not matches:
+        return None
+    i = matches[-1].end()
+    while i < len(text) and text[i] == " ":
+        i += 1
+    if i < len(text) and text[i] == "{":
+        content = braced_group(text, i)
+    else:                        # "\boxed 5": one token, up to a space, "$", a tag or the end
+        content = re.match(r"[^\s$<]*", text[i:]).group(0).rstrip(".,;")
+    if content is None or not content.strip():
+        return None
+    return content.strip()
+
+
+def extract_answer(text: str) -> str | None:
+    """The model's final answer: the last \\boxed{...} (nested braces, \\boxed 5, \\fbox), searched only inside
+    <answer>...</answer> when the response has one. None means "no answer", which earns reward 0."""
+    return last_boxed(answer_region(text))
+
+
+def answer_format_ok(text: str) -> bool:
+    """The paper's answer format: exactly one <answer>...</answer>, in that order, holding a complete \\boxed{}.
+    (Extra or missing tags are what the RoC format penalty counts; this is the yes/no used for metrics.)"""
+    if text.count(ANSWER_OPEN) != 1 or text.count(ANSWER_CLOSE) != 1:
+        return False
+    start, end = text.find(ANSWER_OPEN), text.find(ANSWER_CLOSE)
+    return start < end and last_boxed(text[start + len(ANSWER_OPEN):end]) is not None
+
+
+# ---- normalization: cheap string clean-up shared by the fast path and the worker
+
+# Each (pattern, replacement) is applied in order. They remove presentation, never content.
+DECORATIONS = [
+    (re.compile(r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])"), ""),  # \left( -> (
+    (re.compile(r"\\(?:displaystyle|textstyle)(?![a-zA-Z])"), ""),
+    (re.compile(r"(?<!\\)\\[!,;: ]|~"), ""),                               # LaTeX spacing: 10,\!080 -> 10,080
+    (re.compile(r"\\[dt]frac(?![a-zA-Z])"), r"\\frac"),                    # \dfrac, \tfrac -> \frac
+    (re.compile(r"\{,\}"), ","),                                           # 1{,}000 -> 1,000
+    (re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z])"), ""),  # 90^\circ, 90^{\circ}, 90° -> 90
+    (re.compile(r"\\?%"), ""),                                             # % is a unit: 50\% -> 50
+    (re.compile(r"^\\\$|\\\$$"), ""),                                      # \$32,\!348 -> 32,348
+    # a trailing unit in text: 5.4 \text{ cents}, 864 \mbox{ inches}^2, \frac{270}7\text{ degrees}
+    (re.compile(r"(?<=\S)\s*\\(?:text|mbox|mathrm|textbf)\{\s*[a-zA-Z][a-zA-Z .]*\}(?:\^\{?[23]\}?)?$"), ""),
+]
+ASSIGNMENT = re.compile(r"^[a-zA-Z](?:_\{?\w+\}?)?\s*=\s*(?P<rhs>[^=<>]+)$")   # x = 5, a_1 = 3
+# 12, 0033, 1,000, -2.50, .5, and 6.72e-5 as a Python tool prints it
+INTEGER_OR_DECIMAL = re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE](?P<exp>[+-]?\d+))?")
+FRACTION = re.compile(r"(?P<sign>[+-]?)\\frac(?:\{(?P<n1>\d+)\}|(?P<n2>\d))(?:\{(?P<d1>\d+)\}|(?P<d2>\d))")
+SLASH_FRACTION = re.compile(r"(?P<n>[+-]?\d+)/(?P<d>\d+)")
+TEXT_ANSWER = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{(?P<words>[^{}\d]*[a-zA-Z][^{}\d]*)\}")
+CHOICE_LETTER = re.compile(r"\(?[A-E]\)?")
+
+
+def normalize(answer: str) -> str:
+    """Strip presentation that never changes a value: $...$, \\left/\\right, spacing, \\dfrac, degree signs,
+    percent signs, currency, a trailing unit, a final period, and "x =" in front of a plain number."""
+    s = answer.strip()
+    while len(s) >= 2 and s[0] == "$" and s[-1] == "$":
+        s = s[1:-1].strip()
+    for pattern, replacement in DECORATIONS:
+        s = pattern.sub(replacement, s).strip()
+    s = s.rstrip(".").strip()
+    assignment = ASSIGNMENT.match(s)
+    if assignment and plain_number(assignment["rhs"].strip()) is not None:
+        s = assignment["rhs"].strip()      # only "x = <number>": equations and functions stay for math-verify
+    return s
+
+
+def plain_number(s: str) -> Fraction | None:
+    """The exact value of an integer (leading zeros, 1,000 separators), decimal or integer fraction
+    (\\frac{a}{b}, \\frac43, a/b); None for anything else."""
+    if re.search(r",\s", s):                        # "1, 000" is a list of two numbers, not one thousand
+        return None
+    s = re.sub(r"\s+", "", s)
+    number = INTEGER_OR_DECIMAL.fullmatch(s)
+    if number:
+        if number["exp"] and abs(int(number["exp"])) > 100:   # 1e999999999 would hang Fraction(); the worker
+            return None                                        # decides such answers under its timeout
+        return Fraction(s.replace(",", ""))
+    match = FRACTION.fullmatch(s) or SLASH_FRACTION.fullmatch(s)
+    if match is None:
+        return None
+    parts = match.groupdict()
+    numerator = int(parts.get("n") or parts.get("n1") or parts.get("n2"))
+    denominator = int(parts.get("d") or parts.get("d1") or parts.get("d2"))
+    if denominator == 0:
+        return None
+    return Fraction(-numerator if parts.get("sign") == "-" else numerator, denominator)
+
+
+def is_word_answer(s: str) -> bool:
+    """Whether a (gold) answer is words, not mathematics: a whole \\text{...} without digits ("\\text{Evelyn}",
+    "\\text{(C)}", "\\text{ellipse}") or a lone choice letter A-E ("C", "(C)")."""
+    return bool(TEXT_ANSWER.fullmatch(s) or CHOICE_LETTER.fullmatch(s))
+
+
+def canonical_words(s: str) -> str:
+    """Words compared as words: \\text{} wrappers, spaces, parentheses and periods dropped, lower case.
+    "\\text{(C)}", "(C)" and "c" all become "c"; "\\text{ East}" becomes "east"."""
+    s = re.sub(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}", r"\1", s)
+    return re.sub(r"[\s().]", "", s).lower()
+
+
+# ---- equivalence
+
+def is_equiv(pred: str, gold: str) -> bool:
+    """Whether the predicted answer equals the gold answer mathematically, decided in bounded time.
+
+    Callable from any thread, a worker process or a coroutine (it blocks for at most GRADE_TIMEOUT_S +
+    GRADE_KILL_GRACE_S; inside an event loop prefer `await asyncio.to_thread(is_equiv, pred, gold)`).
+    Not symmetric in general: gold is the reference (math-verify treats the two sides differently)."""
+    if pred is None or gold is None or len(str(pred)) > MAX_ANSWER_CHARS:
+        return False
+    return _equiv_normalized(normalize(str(pred)), normalize(str(gold)))
+
+
+@functools.lru_cache(maxsize=100_000)   # a GRPO group grades many identical answers against one gold
+def _equiv_normalized(pred: str, gold: str) -> bool:
+    if not pred or not gold:
+        return False
+    if pred == gold:
+        return True
+    if is_word_answer(gold):                         # "\text{Evelyn}": compare words, not a product of symbols
+        return canonical_words(pred) == canonical_words(gold)
+    pred_value, gold_value = plain_number(pred), plain_number(gold)
+    if pred_value is not None and gold_value is not None:
+        return pred_value == gold_value              # the fast path: exact, no SymPy, no process
+    return grade_in_worker(pred, gold)
+
+
+# ---- the math-verify side, which runs inside a worker process
+
+def math_verify_equiv(pred: str, gold: str) -> bool:
+    """math-verify's verdict on two normalized answers, with decimals made exact first (see the docstring).
+    Runs in a worker process: it imports SymPy lazily and has no timeout of its own."""
+    from math_verify import verify
+
+    gold_parsed, pred_parsed = parse_exact(gold), parse_exact(pred)
+    if not gold_parsed or not pred_parsed:
+        return False
+    # strict=True: variables must match by name, a set is not a tuple. The timeout is ours (the worker's timer).
+    return verify(list(gold_parsed), list(pred_parsed), strict=True, timeout_seconds=None)
+
+
+@functools.lru_cache(maxsize=10_000)   # golds repeat for every sample of a problem; SymPy objects are immutable
+def parse_exact(answer: str) -> tuple:
+    """math-verify's parse of one normalized answer (its SymPy object and its string), decimals made exact."""
+    from math_verify import LatexExtractionConfig, parse
+
+    config = [LatexExtractionConfig(boxed_match_priority=0)]
+    return tuple(exact_decimals(x) for x in parse("\\boxed{" + answer + "}", config, parsing_timeout=None))
+
+
+def exact_decimals(expr):
+    """Replace every decimal (SymPy Float) with the rational it denotes: Float('0.5') -> 1/2, Float('3.14') ->
+    157/50. Without this math-verify compares floats rounded to 6 places (3.141593 would "equal" pi)."""
+    import sympy
+
+    if isinstance(expr, sympy.MatrixBase):
+        return expr.applyfunc(exact_decimals)
+    if isinstance(expr, sympy.Basic):
+        floats = expr.atoms(sympy.Float)
+        return expr.xreplace({f: sympy.Rational(str(f)) for f in floats}) if floats else expr
+    return expr                                      # math-verify's raw string match, kept as it is
+
+
+class GradeTimeout(BaseException):
+    """Raised by the worker's interval timer. A BaseException, so SymPy's `except Exception` cannot swallow it."""
+
+
+def serve_grader() -> None:
+    """A worker's main loop: one JSON request [pred, gold] per stdin line, one JSON verdict per stdout line.
+    Starts with the line "ready" once its imports are done, so the caller's deadlines never include start-up."""
+    import resource
+    import signal
+
+    protocol_out = os.fdopen(os.dup(1), "w")         # replies go to the real stdout ...
+    os.dup2(2, 1)                                    # ... and anything a library prints goes to stderr
+    limit = WORKER_MEMORY_MB * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    logging.getLogger("math_verify").setLevel(logging.ERROR)   # no "timeout disabled" warning: ours is below
+
+    def on_timer(signum, frame):
+        raise GradeTimeout()
+
+    signal.signal(signal.SIGALRM, on_timer)
+    math_verify_equiv("1", "1")                      # warm up: the first parse builds math-verify's regexes
+    protocol_out.write('"ready"\n')
+    protocol_out.flush()
+    for line in sys.stdin:
+        pred, gold, timeout_s = json.loads(line)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            verdict = bool(math_verify_equiv(pred, gold))
+        except (Exception, GradeTimeout):        # a parse error, a MemoryError, a RecursionError, the timer
+            verdict = False
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        protocol_out.write("true\n" if verdict else "false\n")
+        protocol_out.flush()
+
+
+# ---- the worker pool, on the caller's side
+
+class GraderProcess:
+    """One persistent worker process and the pipes to it; restarted after a crash or a hard timeout."""
+
+    def __init__(self):
+        self.proc = None
+
+    def start(self) -> None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        # The child imports this module (nothing heavy at top level) and serves requests.
+        bootstrap = f"import sys; sys.path.insert(0, {here!r}); import eval; eval.serve_grader()"
+        self.proc = subprocess.Popen([sys.executable, "-c", bootstrap], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, bufsize=0)
+        if self.read_line(WORKER_START_TIMEOUT_S) != '"ready"':
+            self.kill()
+            raise RuntimeError("the math-verify grader worker did not start (is math-verify installed?)")
+
+    def read_line(self, timeout_s: float) -> str | None:
+        """One reply line, or None when the worker died or missed the deadline."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()         # the worker writes whole lines, so this does not block
+        return line.decode().strip() if line else None
+
+    def grade(self, pred: str, gold: str) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        try:
+            self.proc.stdin.write((json.dumps([pred, gold, GRADE_TIMEOUT_S]) + "\n").encode())
+        except BrokenPipeError:
+            self.kill()
+            return False
+        reply = self.read_line(GRADE_TIMEOUT_S + GRADE_KILL_GRACE_S)
+        if reply is None:                            # stuck in C code, out of memory, or dead: kill, restart later
+            self.kill()
+            return False
+        return reply == "true"
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+_pool_cond = threading.Condition()
+_pool_idle: list[GraderProcess] = []
+_pool_size = 0                     # workers that exist, idle or busy
+
+
+def forget_workers_after_fork() -> None:
+    """A forked child must not talk to its parent's workers (their pipes are shared): it starts its own."""
+    global _pool_cond, _pool_idle, _pool_size
+    _pool_cond, _pool_idle, _pool_size = threading.Condition(), [], 0
+
+
+os.register_at_fork(after_in_child=forget_workers_after_fork)
+
+
+def grade_in_worker(pred: str, gold: str) -> bool:
+    """math_verify_equiv(pred, gold) in an idle worker process (one is started if fewer than GRADER_WORKERS
+    exist, else the caller waits for one). Thread-safe; False on timeout or crash."""
+    global _pool_size
+    with _pool_cond:
+        while not _pool_idle and _pool_size >= GRADER_WORKERS:
+            _pool_cond.wait()
+        if _pool_idle:
+            worker = _pool_idle.pop()
+        else:
+            worker = GraderProcess()                 # started by its first grade(), outside the lock
+            _pool_size += 1
+    try:
+        return worker.grade(pred, gold)              # a worker that failed to start stays in the pool, unstarted
+    finally:
+        with _pool_cond:
+            _pool_idle.append(worker)
+            _pool_cond.notify()
+
+
+def shutdown_graders() -> None:
+    """Stop the idle worker processes (also run at exit). The next slow-path grade starts them again."""
+    with _pool_cond:
+        for worker in _pool_idle:
+            worker.kill()
+
+
+atexit.register(shutdown_graders)
+
+
+# ---- reward and reported metrics
+
+def reward(response: str, gold: str) -> float:
+    """The paper's outcome reward (section 2.2): 1.0 if the final boxed answer is correct, else 0.0."""
+    pred = extract_answer(response)
+    return 1.0 if pred is not None and is_equiv(pred, str(gold)) else 0.0
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, "Evaluating Large Language
+    Models Trained on Code"): pass@k = 1 - C(n-c, k) / C(n, k), computed as the stable product
+    1 - prod_{i=n-c+1..n} (1 - k/i). pass@1 is c/n, the paper's "average pass@1" over 16 samples."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:                                    # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def majority_vote(preds: list[str | None]) -> str | None:
+    """maj@k: the answer most samples agree on. Answers are clustered by is_equiv against each cluster's first
+    member; the largest cluster wins, ties go to the cluster seen first; None (no answer) never votes."""
+    clusters: list[list[str]] = []                   # each cluster: [first member, later members ...]
+    for pred in preds:
+        if pred is None:
+            continue
+        for cluster in clusters:
+            if pred == cluster[0] or is_equiv(pred, cluster[0]):
+                cluster.append(pred)
+                break
+        else:
+            clusters.append([pred])
+    if not clusters:
+        return None
+    best = max(len(cluster) for cluster in clusters)
+    return next(cluster[0] for cluster in clusters if len(cluster) == best)   # first seen among the largest
+
+
+# ---- evaluation
+# (to be added: evaluate(...) over the benchmark files with the rollout scheduler, and main(), the command line.)
+# Keep heavy imports (torch, transformers, the scheduler) inside those functions: every grader worker process
+# imports this module, and should start in about a second.

