@@ -364,6 +364,7 @@ class Runtime:
     pool: object
     loop: asyncio.AbstractEventLoop
     accelerator: object = None
+    reward_fn: object = None          # (response, gold) -> 0/1; default eval.reward (tests plug in toy tasks)
 
 
 def rollout_config(cfg: Config, temperature: float | None = None, max_turns: int | None = None):
@@ -384,9 +385,10 @@ def generate_groups(rt: Runtime, cfg: Config, problems, n: int, seed: int, tempe
     groups = scheduler.run_rollouts(rt.engines, rt.pool, rt.tokenizer, [(p.id, p.question) for p in problems], n,
                                     rollout_config(cfg, temperature, max_turns), seed=seed, progress=progress,
                                     loop=rt.loop)
+    reward_fn = rt.reward_fn or grader.reward
     for p, group in zip(problems, groups):
         for traj in group:
-            traj.reward = grader.reward(traj.response_text, p.answer)
+            traj.reward = reward_fn(traj.response_text, p.answer)
     return groups
 
 
@@ -578,6 +580,8 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
             step, cursor = start["step"], start["cursor"]
             rng.setstate(start["roc_rng"])
             set_rng_state(start["rng"])
+        elif stage == "2":  # stage 2 trains on the same data with a longer budget: continue the data cursor
+            cursor = start.get("cursor", 0)
     metrics_path = run_dir / "metrics.jsonl"
     if step == 0 and metrics_path.exists():
         metrics_path.unlink()

@@ -22,9 +22,14 @@ statistics (tool calls, tool errors, answer tags, turns) for GRPO-RoC's penalty.
 """
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import heapq
 import json
+import os
 import re
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass, field, replace
 
 # ----------------------------------------------------------------------------------------------------------
 # The prompt (paper Figure 3) and the tool schema
@@ -183,6 +188,8 @@ class Trajectory:
     tool_statuses: dict[str, int] = field(default_factory=dict)   # status -> count ("ok", "timeout", "malformed" ...)
     answer_tags: int = 0                 # number of <answer> tags in the model's text
     reward: float = 0.0                  # filled in by the trainer / evaluator
+    engines: list[int] = field(default_factory=list)  # which engine generated each model turn (diagnostics)
+    error: str = ""                      # what went wrong when finish_reason == "error"
 
     @property
     def response_ids(self) -> list[int]:

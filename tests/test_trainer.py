@@ -1,0 +1,253 @@
+"""The RL trainer (rstar2_mini.py): exact log-probs with the shared prompt, checkpoints, a full RL step with real
+tool calls, exact resume, a learning test (the real loss raises reward; the flipped sign does not), and the
+command line's errors for people."""
+import dataclasses
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import model as models
+import rstar2_mini as R
+import scheduler
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------------------
+# log-probs with the shared prefix == a plain full forward, values and gradients
+
+
+def test_token_logprobs_equal_full_forward_with_gradients(tokenizer):
+    m = models.tiny_model(tokenizer, seed=1)
+    prompt = scheduler.render_prompt(tokenizer, "What is 2+3?")[:40]
+    seqs = [prompt + [11, 12, 13, 14], prompt + [21, 22], prompt[:30] + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
+    logp, P = R.token_logprobs(m, seqs)
+    assert P == 30
+    loss = logp.sum()
+    loss.backward()
+    fast_grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    ref_total = 0.0
+    for b, s in enumerate(seqs):
+        full = torch.log_softmax(m(input_ids=torch.tensor([s])).logits[0].float(), -1)
+        ref = full[P - 1:-1].gather(-1, torch.tensor(s[P:]).unsqueeze(-1)).squeeze(-1)
+        assert torch.allclose(logp[b, : len(s) - P], ref, atol=1e-5)
+        assert torch.all(logp[b, len(s) - P:] == 0)  # padding contributes nothing
+        ref_total = ref_total + ref.sum()
+    ref_total.backward()
+    for g_fast, p in zip(fast_grads, m.parameters()):
+        assert torch.allclose(g_fast, p.grad, atol=1e-5)
+
+
+def test_pack_micro_batches_respects_token_budget():
+    lengths = [100, 50, 400, 90, 300, 10]
+    batches = R.pack_micro_batches(lengths, 400)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    for b in batches:
+        assert len(b) * max(lengths[i] for i in b) <= 400 or len(b) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# checkpoints: atomic pointer, the previous checkpoint survives a half-written one
+
+
+def test_checkpoint_pointer_is_atomic(tmp_path, tokenizer):
+    m = models.tiny_model(tokenizer, seed=2)
+    R.save_checkpoint(tmp_path, m, tokenizer, {"step": 1, "cursor": 4})
+    R.save_checkpoint(tmp_path, m, tokenizer, {"step": 2, "cursor": 8})
+    assert R.latest_checkpoint(tmp_path).name == "step_000002"
+    # a save killed half-way leaves a temporary directory and never moves the pointer
+    (tmp_path / "checkpoints" / ".step_000003.tmp").mkdir()
+    assert R.latest_checkpoint(tmp_path).name == "step_000002"
+    state = torch.load(R.latest_checkpoint(tmp_path) / "trainer_state.pt", weights_only=False)
+    assert state["cursor"] == 8
+    R.save_checkpoint(tmp_path, m, tokenizer, {"step": 3, "cursor": 12})
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert kept == ["step_000002", "step_000003"]  # the last two are kept
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A full RL step on a tiny model that has learned to call the tool: real sandbox calls, RoC, update, resume
+
+
+def teach_one_tool_call(m, tokenizer, steps=60):
+    """Teacher-force one tool-call trajectory into the tiny model so its rollouts really call the sandbox."""
+    text = ('<reason> I will compute it with Python. </reason>\n<tool_call>\n{"name": '
+            '"execute_python_code_with_standard_io", "arguments": {"code": "print(6*7)", "input": ""}}\n</tool_call>')
+    after = scheduler.encode(tokenizer, scheduler.tool_response_text("42")) + \
+        scheduler.encode(tokenizer, "<answer> \\boxed{42} </answer><|im_end|>")
+    prompt = scheduler.render_prompt(tokenizer, "What is 6*7?")
+    ids = prompt + scheduler.encode(tokenizer, text) + after
+    x = torch.tensor([ids])
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss = m(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@dataclasses.dataclass(frozen=True)
+class Toy:
+    id: str
+    question: str
+    answer: str
+
+
+def tiny_config(tmp_path, **kw) -> R.Config:
+    base = dict(out=str(tmp_path / "run"), steps=2, groups_per_step=2, group_size=2, oversample=2,
+                max_draw_rounds=1, max_turns=3, max_response_tokens=96, lr=1e-3, warmup_steps=1, minibatches=2,
+                micro_batch_tokens=4096, eval_problems=0, save_every=1, engine_batch=8, deterministic=True,
+                drop_all_equal=False, tool_timeout_s=5.0, samples_per_step=1)
+    base.update(kw)
+    return R.Config(**base)
+
+
+def make_runtime(cfg, model_dir, reward_fn=None):
+    rt = R.build_runtime(cfg, model_dir)
+    rt.reward_fn = reward_fn
+    return rt
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory, tokenizer):
+    m = models.tiny_model(tokenizer, seed=3)
+    teach_one_tool_call(m, tokenizer)
+    d = tmp_path_factory.mktemp("tool-model")
+    m.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+def run_steps(cfg, model_dir, stage_dir, start=None, reward_fn=None):
+    rt = make_runtime(cfg, model_dir, reward_fn)
+    try:
+        problems = [Toy(f"p{i}", "What is 6*7?", "42") for i in range(50)]
+        return R.train_stage(rt, cfg, "1", stage_dir, lambda i: problems[i % len(problems)], start=start)
+    finally:
+        R.close_runtime(rt)
+
+
+def coin(response, gold):
+    """A toy reward that splits groups so every step updates (the real grader is tested in test_eval.py)."""
+    return float(sum(map(ord, response)) % 2)
+
+
+def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_model_dir):
+    # uninterrupted: 2 steps
+    cfg = tiny_config(tmp_path / "a", steps=2)
+    d_a = tmp_path / "a" / "stage1"
+    d_a.mkdir(parents=True)
+    last = run_steps(cfg, tool_model_dir, d_a, reward_fn=coin)
+    rows_a = [json.loads(x) for x in (d_a / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows_a] == [1, 2]
+    # rollouts really called the sandbox, and the tool's output came back
+    assert rows_a[0]["tool_calls_per_traj"] > 0
+    sample = (d_a / "samples" / "step_0001.md").read_text()
+    assert "<tool_response>" in sample
+    assert rows_a[0]["loss"] is not None and rows_a[0]["grad_norm"] > 0  # an update happened
+    assert (d_a / "curves.png").exists()
+    assert R.latest_checkpoint(d_a).name == "step_000002"
+    assert last["step"] == 2
+
+    # interrupted after step 1, then resumed from its checkpoint: step 2 logs the same numbers
+    cfg_b = tiny_config(tmp_path / "b", steps=1)
+    d_b = tmp_path / "b" / "stage1"
+    d_b.mkdir(parents=True)
+    run_steps(cfg_b, tool_model_dir, d_b, reward_fn=coin)
+    ckpt = R.latest_checkpoint(d_b)
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 1
+    run_steps(dataclasses.replace(cfg_b, steps=2), ckpt, d_b, start=state, reward_fn=coin)
+    rows_b = [json.loads(x) for x in (d_b / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows_b] == [1, 2]
+    timing = {"step_time_s", "rollout_time_s", "gen_tokens_per_s", "train_tokens_per_s", "peak_mem_gb"}
+    for key in rows_a[1]:
+        if key not in timing:
+            assert rows_a[1][key] == pytest.approx(rows_b[1][key], rel=1e-5, abs=1e-7), key
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Learning: with the real loss a tiny model raises its reward on a trivial task; with the sign flipped it does not
+
+
+def first_letter_task(response, gold):
+    """Reward 1 when the response starts with a letter from a to m: a trivial, learnable preference."""
+    return 1.0 if response[:1].lower() in "abcdefghijklm" and response[:1] != "" else 0.0
+
+
+def mean_reward(rows, k):
+    return sum(r["reward"] for r in rows[-k:]) / k
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_learning_raises_reward_and_flipped_sign_does_not(tmp_path, tiny_model_dir, sign):
+    cfg = tiny_config(tmp_path, steps=24, groups_per_step=4, group_size=4, max_turns=1, max_response_tokens=3,
+                      lr=3e-3, minibatches=1, save_every=1000, drop_all_equal=True, max_draw_rounds=1,
+                      samples_per_step=0)
+    d = tmp_path / "stage1"
+    d.mkdir()
+    rt = make_runtime(cfg, tiny_model_dir, first_letter_task)
+    try:
+        problems = [Toy(f"p{i}", f"Say something {i}.", "") for i in range(1000)]
+        R.train_stage(rt, cfg, "1", d, lambda i: problems[i], loss_sign=sign)
+    finally:
+        R.close_runtime(rt)
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    start, end = sum(r["reward"] for r in rows[:4]) / 4, mean_reward(rows, 4)
+    if sign > 0:
+        assert end > start + 0.25, (start, end)
+    else:
+        assert end < start + 0.05, (start, end)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command line: one clear message and a non-zero exit, no traceback
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, str(ROOT / "rstar2_mini.py"), *args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, timeout=120)
+
+
+def test_cli_unknown_stage():
+    r = cli("--stage", "7")
+    assert r.returncode == 2 and "unknown stage '7'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_missing_model(tmp_path):
+    r = cli("--stage", "1", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "run"))
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_unknown_option_override(tmp_path):
+    r = cli("--set", "learning_rate=1", "--out", str(tmp_path / "run"))
+    assert r.returncode == 2 and "unknown option 'learning_rate'" in r.stderr
+
+
+def test_cli_malformed_data_line(tmp_path, tiny_model_dir):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "oops"\n')
+    sft = tmp_path / "run" / "sft" / "model"  # skip the SFT stage: pretend it ran
+    sft.parent.mkdir(parents=True)
+    import shutil
+    shutil.copytree(tiny_model_dir, sft)
+    r = cli("--stage", "1", "--model", str(tiny_model_dir), "--out", str(tmp_path / "run"), "--data", str(data))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "line 2" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_refuses_a_directory_that_holds_another_run(tmp_path, tiny_model_dir):
+    d = tmp_path / "run" / "stage1"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"stage": "1", "seed": 99}))
+    r = cli("--stage", "1", "--model", str(tiny_model_dir), "--out", str(tmp_path / "run"))
+    assert r.returncode == 2 and "already holds a run" in r.stderr
+    r = cli("--stage", "1", "--model", str(tiny_model_dir), "--out", str(tmp_path / "run"), "--resume")
+    assert r.returncode == 2 and "holds another run" in r.stderr
+    assert json.loads((d / "config.json").read_text()) == {"stage": "1", "seed": 99}  # nothing lost
