@@ -23,10 +23,17 @@ Grader decisions (each one is pinned by a test in tests/test_eval.py):
     by 100, so a gold 10 never accepts 0.1 or 1000 (the "include_percentage" leniency of Qwen-style graders).
   * Sets (and comma lists, MATH's "enter all solutions") match in any order; tuples, points, vectors and
     intervals must match element by element and bracket by bracket: (1,2) != (2,1), (3,4] != [3,4].
-  * "x = 5" == 5, units and degree signs are ignored, thousands separators (1,000 / 1{,}000 / 10,\\!080) and
-    leading zeros (AIME's "033") are read as one integer. A comma is a thousands separator only between groups of
-    exactly three digits with no space ("2,125"); "1, 2" and "1,22" are lists.
+  * "x = 5" == 5 (also == "y = 5": the name before "=" is dropped when a plain number follows). Units (in
+    \\text{}, or words after a number: "7 days") and degree signs are ignored. math-verify's own unit stripping
+    is switched off, because it reads "2t" or "5s" as 2 or 5.
+  * Thousands separators (1,000 / 1{,}000 / 10,\\!080) and leading zeros (AIME's "033") are read as one integer.
+    A comma is a thousands separator only between groups of exactly three digits with no space ("2,125");
+    "1, 2", "1, 000" and "1,22" are lists (a comma is never a decimal point).
   * Algebraically equal expressions are equal (math-verify simplifies): (x+1)^2 == x^2+2x+1.
+  * Word answers ("\\text{Evelyn}", "\\text{(C)}", a choice letter) are compared as words, case-insensitively;
+    math-verify parses a bare word as a product of one-letter symbols (Evelyn -> E*e*l*n*v*y), which is not a
+    word comparison one can reason about.
+  * A number in another base keeps its base: 22_7 != 22_6 (math-verify drops subscripts); 4343 == 4343_6.
   * Predictions longer than MAX_ANSWER_CHARS are wrong: no answer needs them, and hedging lists or huge
     expressions are how a policy would stall or game a grader.
 
@@ -135,8 +142,9 @@ def answer_format_ok(text: str) -> bool:
 DECORATIONS = [
     (re.compile(r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])"), ""),  # \left( -> (
     (re.compile(r"\\(?:displaystyle|textstyle)(?![a-zA-Z])"), ""),
+    (re.compile(r",\\!\s*"), ","),                                         # 11,\! 111 -> 11,111 (MATH's separator)
     (re.compile(r"(?<!\\)\\[!,;: ]|~"), ""),                               # LaTeX spacing: 10,\!080 -> 10,080
-    (re.compile(r"\\[dt]frac(?![a-zA-Z])"), r"\\frac"),                    # \dfrac, \tfrac -> \frac
+    (re.compile(r"\\[dtc]frac(?![a-zA-Z])"), r"\\frac"),                   # \dfrac, \tfrac, \cfrac -> \frac
     (re.compile(r"\{,\}"), ","),                                           # 1{,}000 -> 1,000
     (re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![a-zA-Z])"), ""),  # 90^\circ, 90^{\circ}, 90° -> 90
     (re.compile(r"\\?%"), ""),                                             # % is a unit: 50\% -> 50
@@ -144,6 +152,7 @@ DECORATIONS = [
     # a trailing unit in text: 5.4 \text{ cents}, 864 \mbox{ inches}^2, \frac{270}7\text{ degrees}
     (re.compile(r"(?<=\S)\s*\\(?:text|mbox|mathrm|textbf)\{\s*[a-zA-Z][a-zA-Z .]*\}(?:\^\{?[23]\}?)?$"), ""),
 ]
+UNIT_WORDS = re.compile(r"(?P<number>[^a-zA-Z\\]+?)\s+[a-zA-Z]{2,}(?:\s+[a-zA-Z]{2,})*(?:\^\{?[23]\}?)?")
 ASSIGNMENT = re.compile(r"^[a-zA-Z](?:_\{?\w+\}?)?\s*=\s*(?P<rhs>[^=<>]+)$")   # x = 5, a_1 = 3
 # 12, 0033, 1,000, -2.50, .5, and 6.72e-5 as a Python tool prints it
 INTEGER_OR_DECIMAL = re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE](?P<exp>[+-]?\d+))?")
@@ -155,13 +164,17 @@ CHOICE_LETTER = re.compile(r"\(?[A-E]\)?")
 
 def normalize(answer: str) -> str:
     """Strip presentation that never changes a value: $...$, \\left/\\right, spacing, \\dfrac, degree signs,
-    percent signs, currency, a trailing unit, a final period, and "x =" in front of a plain number."""
+    percent signs, currency, a final period, a trailing unit (in \\text{}, or words of two or more letters
+    after a plain number), and "x =" in front of a plain number."""
     s = answer.strip()
     while len(s) >= 2 and s[0] == "$" and s[-1] == "$":
         s = s[1:-1].strip()
     for pattern, replacement in DECORATIONS:
         s = pattern.sub(replacement, s).strip()
     s = s.rstrip(".").strip()
+    unit = UNIT_WORDS.fullmatch(s)
+    if unit and plain_number(unit["number"]) is not None:
+        s = unit["number"]                 # "7 days", "5 cm^2", "90 degrees" -> the number; "2 t" stays
     assignment = ASSIGNMENT.match(s)
     if assignment and plain_number(assignment["rhs"].strip()) is not None:
         s = assignment["rhs"].strip()      # only "x = <number>": equations and functions stay for math-verify
@@ -171,14 +184,12 @@ def normalize(answer: str) -> str:
 def plain_number(s: str) -> Fraction | None:
     """The exact value of an integer (leading zeros, 1,000 separators), decimal or integer fraction
     (\\frac{a}{b}, \\frac43, a/b); None for anything else."""
-    if re.search(r",\s", s):                        # "1, 000" is a list of two numbers, not one thousand
-        return None
-    s = re.sub(r"\s+", "", s)
-    number = INTEGER_OR_DECIMAL.fullmatch(s)
-    if number:
+    number = INTEGER_OR_DECIMAL.fullmatch(re.sub(r"^([+-])\s+", r"\1", s.strip()))   # "1 2" and "1, 000"
+    if number:                                                                         # are lists, not numbers
         if number["exp"] and abs(int(number["exp"])) > 100:   # 1e999999999 would hang Fraction(); the worker
             return None                                        # decides such answers under its timeout
-        return Fraction(s.replace(",", ""))
+        return Fraction(number[0].replace(",", ""))
+    s = re.sub(r"\s+", "", s)                                  # \frac {1} {2}, 1 / 2
     match = FRACTION.fullmatch(s) or SLASH_FRACTION.fullmatch(s)
     if match is None:
         return None
@@ -203,13 +214,26 @@ def canonical_words(s: str) -> str:
     return re.sub(r"[\s().]", "", s).lower()
 
 
+def compact(s: str) -> str:
+    """s without white space, except the space that ends a command word ("\\pi r" must not become "\\pir")."""
+    return re.sub(r"(?<![a-zA-Z]) | (?![a-zA-Z])", "", re.sub(r"\s+", " ", s))
+
+
+def base_subscript(s: str) -> str | None:
+    """The base of a number written in another base, "4343_6" -> "6", "4210_{5}" -> "5"; else None."""
+    match = re.fullmatch(r"[0-9A-Z]+_\{?(\d+)\}?", s.replace("\\text{", "").replace("}_", "_"))
+    return match[1] if match else None
+
+
 # ---- equivalence
 
 def is_equiv(pred: str, gold: str) -> bool:
     """Whether the predicted answer equals the gold answer mathematically, decided in bounded time.
 
-    Callable from any thread, a worker process or a coroutine (it blocks for at most GRADE_TIMEOUT_S +
-    GRADE_KILL_GRACE_S; inside an event loop prefer `await asyncio.to_thread(is_equiv, pred, gold)`).
+    Callable from any thread, a forked process or a coroutine. Plain numbers and words take microseconds; a pair
+    sent to a worker takes milliseconds and never more than GRADE_TIMEOUT_S + GRADE_KILL_GRACE_S (plus a worker's
+    start-up on first use, and the wait for a free worker when more than GRADER_WORKERS threads grade at once).
+    Inside an event loop, `await asyncio.to_thread(is_equiv, pred, gold)` keeps the loop responsive.
     Not symmetric in general: gold is the reference (math-verify treats the two sides differently)."""
     if pred is None or gold is None or len(str(pred)) > MAX_ANSWER_CHARS:
         return False
@@ -220,8 +244,11 @@ def is_equiv(pred: str, gold: str) -> bool:
 def _equiv_normalized(pred: str, gold: str) -> bool:
     if not pred or not gold:
         return False
-    if pred == gold:
+    if compact(pred) == compact(gold):               # "x^2 + 1" and "x^2+1": same symbols, same answer
         return True
+    pred_base, gold_base = base_subscript(pred), base_subscript(gold)
+    if pred_base and gold_base and pred_base != gold_base:
+        return False                                 # 22_7 is not 22_6 (math-verify drops the subscript)
     if is_word_answer(gold):                         # "\text{Evelyn}": compare words, not a product of symbols
         return canonical_words(pred) == canonical_words(gold)
     pred_value, gold_value = plain_number(pred), plain_number(gold)
@@ -247,10 +274,16 @@ def math_verify_equiv(pred: str, gold: str) -> bool:
 @functools.lru_cache(maxsize=10_000)   # golds repeat for every sample of a problem; SymPy objects are immutable
 def parse_exact(answer: str) -> tuple:
     """math-verify's parse of one normalized answer (its SymPy object and its string), decimals made exact."""
+    import dataclasses
+
     from math_verify import LatexExtractionConfig, parse
 
-    config = [LatexExtractionConfig(boxed_match_priority=0)]
-    return tuple(exact_decimals(x) for x in parse("\\boxed{" + answer + "}", config, parsing_timeout=None))
+    # units=False: math-verify's unit stripping reads "2t", "5s", "2m" as the number 2 or 5 (t for tons, s for
+    # seconds ...), so a gold "2t" would accept "2". Units are removed by normalize() instead, in the open.
+    config = LatexExtractionConfig(boxed_match_priority=0)
+    config = dataclasses.replace(config, normalization_config=dataclasses.replace(config.normalization_config,
+                                                                                   units=False))
+    return tuple(exact_decimals(x) for x in parse("\\boxed{" + answer + "}", [config], parsing_timeout=None))
 
 
 def exact_decimals(expr):
@@ -271,8 +304,9 @@ class GradeTimeout(BaseException):
 
 
 def serve_grader() -> None:
-    """A worker's main loop: one JSON request [pred, gold] per stdin line, one JSON verdict per stdout line.
-    Starts with the line "ready" once its imports are done, so the caller's deadlines never include start-up."""
+    """A worker's main loop: one JSON request [pred, gold, timeout_s] per stdin line, one JSON verdict (true or
+    false) per stdout line. It first writes "ready" once its imports and warm-up are done, so the caller's
+    per-pair deadlines never include start-up."""
     import resource
     import signal
 
@@ -286,7 +320,8 @@ def serve_grader() -> None:
         raise GradeTimeout()
 
     signal.signal(signal.SIGALRM, on_timer)
-    math_verify_equiv("1", "1")                      # warm up: the first parse builds math-verify's regexes
+    math_verify_equiv("(x+1)^2", "x^2+2x+1")         # warm up: the first parse builds math-verify's regexes,
+    math_verify_equiv("(1,\\frac{1}{2}]", "\\{1,2\\}")    # the parser's tables and SymPy's caches
     protocol_out.write('"ready"\n')
     protocol_out.flush()
     for line in sys.stdin:
@@ -432,6 +467,154 @@ def majority_vote(preds: list[str | None]) -> str | None:
 
 
 # ---- evaluation
-# (to be added: evaluate(...) over the benchmark files with the rollout scheduler, and main(), the command line.)
-# Keep heavy imports (torch, transformers, the scheduler) inside those functions: every grader worker process
-# imports this module, and should start in about a second.
+# The paper's protocol (section 5): temperature 0.6, 16 samples per problem, up to 30 turns, average pass@1;
+# with maj@k, pass@k, response length, tool calls per problem, tool error rate, and the shares of trajectories
+# with a valid tool call and with a well-formed answer. Rollouts use the same scheduler and sandbox as training.
+# Heavy imports (torch, transformers, the scheduler) stay inside these functions: grader workers import this file.
+
+
+def has_valid_tool_call(traj) -> bool:
+    """At least one call that parsed, named the right function and ran without error (status ok)."""
+    return traj.tool_statuses.get("ok", 0) > 0
+
+
+def summarize(problems, groups, ks=(1, 4, 8, 16)) -> dict:
+    """Per-problem grades -> the benchmark's numbers. groups[i] holds the graded samples of problems[i]."""
+    n = len(groups[0]) if groups else 0
+    trajs = [t for g in groups for t in g]
+    calls = sum(t.tool_calls for t in trajs)
+    out = {
+        "problems": len(problems), "samples_per_problem": n,
+        "pass@1": sum(t.reward for t in trajs) / len(trajs) if trajs else 0.0,  # average pass@1 (paper)
+        "response_len": sum(t.num_response_tokens for t in trajs) / max(len(trajs), 1),
+        "tool_calls_per_problem": calls / max(len(problems), 1),
+        "tool_calls_per_traj": calls / max(len(trajs), 1),
+        "tool_error_rate": sum(t.tool_errors for t in trajs) / calls if calls else None,
+        "tool_error_rate_correct": (lambda c: sum(t.tool_errors for t in c) / max(sum(t.tool_calls for t in c), 1)
+                                    if any(t.tool_calls for t in c) else None)([t for t in trajs if t.reward > 0]),
+        "valid_tool_call_share": sum(has_valid_tool_call(t) for t in trajs) / max(len(trajs), 1),
+        "answer_format_share": sum(answer_format_ok(t.response_text) for t in trajs) / max(len(trajs), 1),
+        "finish_reasons": {r: sum(t.finish_reason == r for t in trajs) for r in sorted({t.finish_reason for t in trajs})},
+    }
+    for k in ks:
+        if 1 < k <= n:
+            correct = [sum(t.reward > 0 for t in g) for g in groups]
+            out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(groups)
+            votes = [majority_vote([extract_answer(t.response_text) for t in g[:k]]) for g in groups]
+            out[f"maj@{k}"] = sum(v is not None and is_equiv(v, p.answer) for v, p in zip(votes, problems)) / len(groups)
+    return out
+
+
+def evaluate(engines, pool, tokenizer, problems, n_samples: int, rollout_cfg, loop, seed: int = 0,
+             progress: bool = True):
+    """Roll out n_samples per problem with the training scheduler, grade each, and summarize.
+    Returns (summary dict, groups of graded trajectories)."""
+    import scheduler
+
+    groups = scheduler.run_rollouts(engines, pool, tokenizer, [(p.id, p.question) for p in problems], n_samples,
+                                    rollout_cfg, seed=seed, progress=progress, loop=loop)
+    for p, group in zip(problems, groups):
+        for t in group:
+            t.reward = reward(t.response_text, p.answer)
+    return summarize(problems, groups), groups
+
+
+def markdown_table(name: str, s: dict) -> str:
+    keys = ["pass@1"] + [k for k in s if k.startswith(("pass@", "maj@")) and k != "pass@1"] + [
+        "response_len", "tool_calls_per_problem", "tool_error_rate", "valid_tool_call_share", "answer_format_share"]
+    fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+    return ("| data | problems x samples | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 2) + "\n"
+            f"| {name} | {s['problems']} x {s['samples_per_problem']} | " + " | ".join(fmt(s.get(k)) for k in keys)
+            + " |\n")
+
+
+def show_trajectory(tokenizer, traj, gold: str, colour: bool) -> str:
+    """One trajectory, readable: model text plain, inserted tool responses dimmed (cyan), verdict in colour."""
+    c = (lambda code, x: f"\033[{code}m{x}\033[0m") if colour else (lambda code, x: x)  # noqa: E731
+    parts = [c("1", f"== {traj.problem_id}  gold={gold}  predicted={extract_answer(traj.response_text)}  ")
+             + (c("32", "CORRECT") if traj.reward > 0 else c("31", "WRONG"))
+             + f"  turns={traj.turns} tool_calls={traj.tool_calls} errors={traj.tool_errors} finish={traj.finish_reason}"]
+    for seg in traj.segments:
+        text = tokenizer.decode(seg.ids)
+        parts.append(text if seg.loss_mask else c("36", text))
+    return "".join(parts) + "\n"
+
+
+def main(argv=None) -> int:
+    import argparse
+    import asyncio
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description="Evaluate a model with the paper's protocol: average pass@1 over "
+                                 "k samples, up to 30 tool-using turns, temperature 0.6.")
+    ap.add_argument("--model", default="smollm2-135m", help="model directory, or smollm2-135m (bundled)")
+    ap.add_argument("--data", default="heldout", help="a JSONL/JSON file, a benchmark name (aime24, aime25, "
+                    "hmmt25, math500, amc23, gsm8k) or heldout (the generator's held-out split)")
+    ap.add_argument("--samples", type=int, default=16, help="samples per problem (paper: 16)")
+    ap.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (paper: 0.6)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--max-turns", type=int, default=30, help="assistant turns (paper: 30 at evaluation)")
+    ap.add_argument("--max-tokens", type=int, default=12288, help="response budget, tool tokens included")
+    ap.add_argument("--limit", type=int, help="evaluate only the first N problems")
+    ap.add_argument("--levels", default="1,2", help="generator levels for --data heldout")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=16, help="CPU engine: sequences decoded together")
+    ap.add_argument("--show", type=int, default=0, help="print N trajectories readably")
+    ap.add_argument("--out", help="directory for result.json and result.md (default: print only)")
+    args = ap.parse_args(argv)
+    try:
+        import model as models
+        import tasks
+
+        if args.samples < 1 or (args.limit is not None and args.limit < 1):
+            raise ValueError("--samples and --limit must be at least 1")
+        if args.data == "heldout":
+            levels = tuple(int(x) for x in args.levels.split(","))
+            problems = tasks.heldout_problems(args.limit or 64, levels=levels)
+        else:
+            problems = tasks.load_problems(tasks.resolve_dataset(args.data), limit=args.limit)
+        if not problems:
+            raise ValueError(f"{args.data} holds no problems with integer answers")
+        path = models.resolve_model(args.model)
+    except (ValueError, models.ModelUnavailable) as e:  # tasks.DataError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    import sandbox
+    import scheduler
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = models.load_tokenizer(path)
+    engines = [scheduler.TransformersEngine(models.load_model(path, device=device), tokenizer,
+                                            max_batch=args.batch, device=device)]
+    cfg = scheduler.RolloutConfig(max_turns=args.max_turns, max_response_tokens=args.max_tokens,
+                                  temperature=args.temperature, top_p=args.top_p)
+    loop = asyncio.new_event_loop()
+    pool = sandbox.SandboxPool()
+    loop.run_until_complete(pool.start())
+    try:
+        summary, groups = evaluate(engines, pool, tokenizer, problems, args.samples, cfg, loop, seed=args.seed)
+    finally:
+        loop.run_until_complete(pool.close())
+        loop.close()
+    summary.update(model=str(path), data=args.data, temperature=args.temperature, max_turns=args.max_turns,
+                   max_tokens=args.max_tokens)
+    table = markdown_table(args.data, summary)
+    colour = sys.stdout.isatty()
+    shown = [(t, p) for p, g in zip(problems, groups) for t in g][: args.show]
+    for t, p in shown:
+        print(show_trajectory(tokenizer, t, p.answer, colour))
+    print(table)
+    print(json.dumps(summary))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps(summary, indent=2))
+        (out / "result.md").write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -211,3 +211,746 @@ class Trajectory:
     @property
     def num_model_tokens(self) -> int:
         return sum(len(s.ids) for s in self.segments if s.loss_mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rollout configuration (paper defaults; the trainer's presets override them per stage)
+
+
+@dataclass
+class RolloutConfig:
+    max_turns: int = 10              # assistant turns (paper: 10 in stages 1-2, 15 in stage 3, 30 at evaluation)
+    max_response_tokens: int = 8192  # budget for everything after the prompt, inserted tool tokens included
+    temperature: float = 1.0         # paper: 1.0 for training rollouts, 0.6 at evaluation
+    top_p: float = 1.0
+    tool_timeout_s: float = 10.0
+    # deterministic=True forms generation waves at barriers: the scheduler waits until every unfinished
+    # trajectory is waiting for generation, then hands out the waiting requests in (problem, sample) order.
+    # Results are then bit-identical across runs (with the same engines and threads), at the cost of overlap:
+    # no engine generates while any tool call is running. The default overlaps tools and generation and is
+    # reproducible per request (each request samples with its own seed) up to floating-point noise that the
+    # composition of a batch can add to its logits.
+    deterministic: bool = False
+    # "kv": ours (paper 3.2): the engine with the most free KV capacity, only when the request fits.
+    # "least_requests" and "static" are the baselines that bench/bench_scheduler.py compares against:
+    # the engine holding the fewest requests, or a fixed contiguous share of the rollouts per engine (the
+    # paper's "static allocation"); both send at once, whether or not the request fits.
+    routing: str = "kv"
+    # A continuation after a tool call stays on the engine that holds its prefix (its KV cache can be reused)
+    # unless that engine has less free capacity than the best one by more than this fraction of its capacity.
+    prefix_affinity: float = 0.25
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inference engines: one small duck-typed interface shared by TransformersEngine (CPU, single-GPU debug),
+# VLLMEngine (one per GPU) and SimulatedEngine (benchmarks and scheduler tests). No base class:
+#
+#   engine.capacity_tokens      KV budget in tokens
+#   engine.free_tokens()        capacity minus the sum over the requests it holds of prompt + max_new
+#                               (what those requests may still need); negative only when a baseline router
+#                               overfills it - ours never does
+#   engine.num_requests()       requests it holds (generating or queued inside it)
+#   engine.submit(req)          -> asyncio.Future[GenResult]; reserves req.need tokens at once (synchronously,
+#                               so the scheduler's accounting is exact), releases them when the request is
+#                               done, just before the future resolves. Called on the running event loop.
+#   engine.load_weights(w)      weight sync from the trainer (a state dict or a model), in place
+#   engine.worker               its background asyncio task, or None; awaited at the end of a step, so that
+#                               nothing of the engine still runs when the caller's loop stops
+#
+# Every engine stops a request at end of turn (eos, kept in the output), when the decoded text of the new
+# tokens contains "</tool_call>", or after max_new_tokens; and returns the log-probs of the sampled tokens
+# under log_softmax(logits / temperature), which is what the trainer computes for the same tokens.
+
+
+@dataclass
+class GenRequest:
+    ids: list[int]               # the whole context: prompt + every segment so far (never re-tokenized)
+    max_new_tokens: int          # the trajectory's remaining length budget
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0                # this request's own sampling seed, see request_seed()
+    key: tuple = ()              # (problem index, sample index, turn)
+    stop_text: str = TOOL_CALL_CLOSE
+
+    @property
+    def need(self) -> int:
+        """KV tokens this request may occupy at its end: its context plus everything it may generate."""
+        return len(self.ids) + self.max_new_tokens
+
+
+@dataclass
+class GenResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish: str                  # "eos" (end of turn) | "tool" (stopped at </tool_call>) | "length"
+
+
+def request_seed(seed: int, problem_index: int, sample_index: int, turn: int) -> int:
+    """A sampling seed for one request, so that its tokens do not depend on which other requests share its
+    batch, and a resumed run samples exactly what the original run did."""
+    digest = hashlib.sha256(f"{seed}:{problem_index}:{sample_index}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # 63 bits: torch.Generator.manual_seed takes it
+
+
+def eos_token_ids(tokenizer, model=None) -> set[int]:
+    """End-of-turn tokens: the tokenizer's eos (<|im_end|> for ChatML models) and the model's generation eos."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+    return {i for i in ids if i is not None}
+
+
+def sample_rows(logits, temperatures, top_ps, generators):
+    """Sample one token per row, each row with its own generator. Returns (tokens, logprobs) as lists.
+
+    logp = log_softmax(logits / T) is the log-probability the trainer computes for the same token (the
+    importance ratio's denominator); top-p only narrows the set the token is drawn from (nucleus sampling),
+    as vLLM does; with top_p = 1 the two distributions are the same. T <= 0 means greedy."""
+    import torch
+
+    temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=logits.dtype, device=logits.device)
+    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    tokens = []
+    for row, (t, p, gen) in enumerate(zip(temperatures, top_ps, generators)):
+        if t <= 0:
+            tok = int(torch.argmax(logp[row]))
+        elif p >= 1.0:
+            tok = int(torch.multinomial(logp[row].exp(), 1, generator=gen))
+        else:  # nucleus: the smallest set of most likely tokens whose mass reaches p
+            probs, order = torch.sort(logp[row].exp(), descending=True)
+            keep = (torch.cumsum(probs, 0) - probs) < p  # always keeps the most likely token
+            tok = int(order[torch.multinomial(probs * keep, 1, generator=gen)])
+        tokens.append(tok)
+    lps = logp[torch.arange(len(tokens), device=logp.device), torch.tensor(tokens, device=logp.device)]
+    return tokens, lps.tolist()
+
+
+def finish_reason(tokenizer, new_ids: list[int], req: GenRequest, eos_ids: set[int]) -> str | None:
+    """Why generation of this request stops after its latest token, or None to go on."""
+    if new_ids[-1] in eos_ids:
+        return "eos"
+    tail = tokenizer.decode(new_ids[-len(req.stop_text):], skip_special_tokens=False,
+                            clean_up_tokenization_spaces=False)  # every token holds at least one character
+    if req.stop_text in tail:
+        return "tool"
+    if len(new_ids) >= req.max_new_tokens:
+        return "length"
+    return None
+
+
+class TransformersEngine:
+    """In-process engine on a Hugging Face causal LM: batched waves of a hand-written decode loop.
+
+    Requests wait in a queue; when the engine is idle it takes up to max_batch of them and decodes them as one
+    left-padded batch with a KV cache (DynamicCache), sampling every row with the request's own generator.
+    A row leaves the batch the moment it stops (its future resolves then, so its tool call starts while the
+    others keep decoding); new requests join the next wave. On CPU this beats transformers' continuous
+    batching (DESIGN.md: 22 vs 76 tokens/s). Each wave re-encodes its contexts (no prefix cache across turns).
+    The decode runs in a worker thread, so the event loop keeps serving tool results meanwhile."""
+
+    def __init__(self, model, tokenizer, max_batch: int = 16, kv_capacity_tokens: int = 65536,
+                 device: str = "cpu"):
+        import inspect
+
+        self.model = model.to(device)
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.capacity_tokens = kv_capacity_tokens
+        self.device = device
+        self.eos_ids = eos_token_ids(tokenizer, model)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        # transformers 5 renamed forward(past_key_values=) to forward(cache=)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._queue: list[tuple[GenRequest, asyncio.Future]] = []
+        self._reserved = 0
+        self._held = 0
+        self.worker: asyncio.Task | None = None
+        self._weights_lock = threading.Lock()  # a weight sync waits for the running wave
+        self.tokens_generated = 0
+        self.waves = 0
+
+    # -- the engine interface ------------------------------------------------------------------------------
+    def free_tokens(self) -> int:
+        return self.capacity_tokens - self._reserved
+
+    def num_requests(self) -> int:
+        return self._held
+
+    def submit(self, req: GenRequest) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._reserved += req.need
+        self._held += 1
+        self._queue.append((req, fut))
+        if self.worker is None or self.worker.done():
+            self.worker = loop.create_task(self._serve())
+        return fut
+
+    def load_weights(self, weights) -> None:
+        """Copy new weights into the engine's model in place (no re-allocation). `weights` is a state dict or
+        a model; when it is the engine's own model (the CPU trainer shares it) there is nothing to do."""
+        import torch
+
+        if weights is self.model:
+            return
+        state = weights.state_dict() if hasattr(weights, "state_dict") else weights
+        state = {k.removeprefix("module."): v for k, v in state.items()}  # DDP / accelerate wrappers
+        with self._weights_lock, torch.no_grad():
+            self.model.load_state_dict(state, strict=True)  # copy_() into the existing tensors
+
+    # -- waves ---------------------------------------------------------------------------------------------
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._queue:
+            wave, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+
+            def on_finish(i: int, result: GenResult, wave=wave) -> None:  # called from the decode thread
+                loop.call_soon_threadsafe(self._finish, wave[i], result, None)
+
+            try:
+                await loop.run_in_executor(None, self.decode_wave, [req for req, _ in wave], on_finish)
+            except Exception as e:  # fail the rows that did not finish; the trajectories end with "error"
+                for item in wave:
+                    self._finish(item, None, e)
+
+    def _finish(self, item, result: GenResult | None, error: BaseException | None) -> None:
+        req, fut = item
+        if fut.done():
+            return
+        self._reserved -= req.need  # capacity is released before the scheduler hears of it
+        self._held -= 1
+        if error is None:
+            self.tokens_generated += len(result.token_ids)
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        return out.logits[:, -1, :].float()
+
+    def decode_wave(self, reqs: list[GenRequest], on_finish) -> None:
+        """Prefill the left-padded batch, then decode one token per row per step until every row stopped.
+        on_finish(i, GenResult) is called for request i as soon as it stops."""
+        import torch
+        from transformers import DynamicCache
+
+        dev = self.device
+        longest = max(len(r.ids) for r in reqs)
+        input_ids = torch.full((len(reqs), longest), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(reqs), longest), dtype=torch.long)
+        for b, r in enumerate(reqs):
+            input_ids[b, longest - len(r.ids):] = torch.tensor(r.ids)
+            attention[b, longest - len(r.ids):] = 1
+        input_ids, attention = input_ids.to(dev), attention.to(dev)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # positions count real tokens only
+        generators = [torch.Generator(device=dev).manual_seed(r.seed) for r in reqs]
+        new_ids: list[list[int]] = [[] for _ in reqs]
+        new_lps: list[list[float]] = [[] for _ in reqs]
+        rows = list(range(len(reqs)))  # rows[j]: which request batch row j holds
+        cache = DynamicCache()
+        self.waves += 1
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self._weights_lock, torch.inference_mode():
+                logits = self._forward(input_ids, attention, positions, cache)
+                while True:
+                    tokens, lps = sample_rows(logits, [reqs[i].temperature for i in rows],
+                                              [reqs[i].top_p for i in rows], [generators[i] for i in rows])
+                    keep = []
+                    for j, i in enumerate(rows):
+                        new_ids[i].append(tokens[j])
+                        new_lps[i].append(lps[j])
+                        why = finish_reason(self.tokenizer, new_ids[i], reqs[i], self.eos_ids)
+                        if why is None:
+                            keep.append(j)
+                        else:
+                            on_finish(i, GenResult(new_ids[i], new_lps[i], why))
+                    if not keep:
+                        return
+                    if len(keep) < len(rows):  # drop stopped rows from the batch and its KV cache
+                        index = torch.tensor(keep, device=dev)
+                        cache.batch_select_indices(index)
+                        attention, positions = attention[index], positions[index]
+                        rows = [rows[j] for j in keep]
+                    step_ids = torch.tensor([[new_ids[i][-1]] for i in rows], device=dev)
+                    attention = torch.cat([attention, attention.new_ones((len(rows), 1))], dim=1)
+                    positions = positions[:, -1:] + 1
+                    logits = self._forward(step_ids, attention, positions, cache)
+        finally:
+            self.model.train(was_training)
+
+
+class SimulatedEngine:
+    """A stand-in for a GPU inference engine, for bench/bench_scheduler.py and the scheduler tests ONLY.
+
+    It runs in virtual time (see virtual_time_loop) and "generates" the tokens that a script gives for each
+    request: script(req) -> (token ids of the whole turn, "eos" | "tool"); they are cut at max_new_tokens.
+    Its cost model, stated plainly:
+      * decode: every step each running sequence gains `tokens_per_step` tokens and the step lasts
+        tokens_per_step * max(n_running, saturation) / tokens_per_s: the engine reaches its full rate
+        tokens_per_s from `saturation` concurrent sequences on, and one sequence alone decodes at
+        tokens_per_s / saturation;
+      * prefill: uncached context tokens cost 1 / prefill_speedup of a decoded token; a continuation on the
+        engine that served the trajectory's previous turn finds its prefix cached (the cache is assumed to
+        survive a tool call);
+      * KV cache: running sequences occupy their current length. Like vLLM, it admits queued requests in
+        order while their context fits, and when growing sequences overflow the cache it preempts the newest
+        one, which later recomputes its whole context. `preemptions` counts these overflows."""
+
+    def __init__(self, script, capacity_tokens: int, tokens_per_s: float = 2000.0, saturation: int = 16,
+                 prefill_speedup: float = 10.0, tokens_per_step: int = 16, max_num_seqs: int = 256):
+        self.script = script
+        self.capacity_tokens = capacity_tokens
+        self.tokens_per_s, self.saturation = tokens_per_s, saturation
+        self.prefill_speedup, self.tokens_per_step, self.max_num_seqs = prefill_speedup, tokens_per_step, max_num_seqs
+        self._waiting: list[dict] = []   # requests inside the engine, not yet admitted (or preempted)
+        self._running: list[dict] = []
+        self._prefix: dict[tuple, int] = {}  # trajectory -> cached prefix length
+        self._reserved = 0
+        self.worker: asyncio.Task | None = None
+        self.tokens_generated = 0
+        self.prefill_tokens = 0
+        self.preemptions = 0
+        self.busy_s = 0.0
+
+    def free_tokens(self) -> int:
+        return self.capacity_tokens - self._reserved
+
+    def num_requests(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    def load_weights(self, weights) -> None:  # nothing to load: the script is the model
+        pass
+
+    def submit(self, req: GenRequest) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        tokens, why = self.script(req)
+        if len(tokens) >= req.max_new_tokens:
+            tokens, why = tokens[:req.max_new_tokens], "length"
+        seq = {"req": req, "fut": loop.create_future(), "plan": tokens, "why": why, "done": 0, "cached": 0}
+        self._reserved += req.need
+        self._waiting.append(seq)
+        if self.worker is None or self.worker.done():
+            self.worker = loop.create_task(self._serve())
+        return seq["fut"]
+
+    def _kv_used(self) -> int:
+        return sum(len(s["req"].ids) + s["done"] for s in self._running)
+
+    async def _serve(self) -> None:
+        while self._waiting or self._running:
+            # admit in order while the contexts fit (always at least one, so nothing starves)
+            prefill = 0
+            while self._waiting and len(self._running) < self.max_num_seqs:
+                seq = self._waiting[0]
+                context = len(seq["req"].ids) + seq["done"]
+                if self._running and self._kv_used() + context > self.capacity_tokens:
+                    break
+                self._waiting.pop(0)
+                cached = self._prefix.pop(seq["req"].key[:2], 0) if seq["done"] == 0 else 0
+                prefill += context - min(cached, context)
+                self._running.append(seq)
+            n = len(self._running)
+            step = self.tokens_per_step * max(n, self.saturation) / self.tokens_per_s
+            step += prefill / (self.tokens_per_s * self.prefill_speedup)
+            self.prefill_tokens += prefill
+            await asyncio.sleep(step)
+            self.busy_s += step
+            still = []
+            for seq in self._running:
+                gained = min(self.tokens_per_step, len(seq["plan"]) - seq["done"])
+                seq["done"] += gained
+                self.tokens_generated += gained
+                if seq["done"] < len(seq["plan"]):
+                    still.append(seq)
+                    continue
+                req = seq["req"]
+                self._prefix[req.key[:2]] = len(req.ids) + seq["done"]
+                self._reserved -= req.need
+                seq["fut"].set_result(GenResult(list(seq["plan"]), [0.0] * len(seq["plan"]), seq["why"]))
+            self._running = still
+            while self._kv_used() > self.capacity_tokens and len(self._running) > 1:  # KV overflow: preempt
+                victim = self._running.pop()
+                self._waiting.insert(0, victim)  # recomputes its whole context when it is admitted again
+                self.preemptions += 1
+
+
+def virtual_time_loop() -> asyncio.AbstractEventLoop:
+    """An event loop whose clock jumps to the next timer instead of waiting for it (benchmarks and tests with
+    SimulatedEngine and simulated tools: hours of engine time run in seconds). Only for code that waits on
+    timers alone (asyncio.sleep); it patches the loop's selector, a private attribute of asyncio."""
+    loop = asyncio.new_event_loop()
+    clock = [0.0]
+    real_select = loop._selector.select
+
+    def select(timeout=None):
+        if timeout is not None and timeout > 0:
+            clock[0] += timeout
+        return real_select(0)
+
+    loop._selector.select = select
+    loop.time = lambda: clock[0]
+    return loop
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The load-balanced rollout scheduler (paper section 3.2)
+#
+# Every trajectory is a coroutine. Each assistant turn is one generation request; the scheduler keeps the
+# requests that cannot be placed yet in a waiting queue and places them in order:
+#   * to the engine with the most free KV capacity, and only when prompt + remaining budget fits there, so no
+#     engine is ever overfilled (no preemption, no recomputation);
+#   * a continuation prefers the engine that already holds its prefix, unless that engine is overloaded;
+#   * when a turn ends in a tool call, the engine's capacity is released at once, the call runs in the sandbox
+#     pool while other requests generate, and the continuation is queued again when the result arrives;
+#   * continuations go before new trajectories (they hold progress; finishing them shortens the step's tail).
+
+
+class Scheduler:
+    def __init__(self, engines: list, cfg: RolloutConfig, num_problems: int, n_per_problem: int):
+        self.engines, self.cfg = engines, cfg
+        self.n_per_problem = n_per_problem
+        self.num_trajectories = num_trajectories = num_problems * n_per_problem
+        self.waiting: list = []        # heap of (priority, order, request, previous engine, future)
+        self.busy = num_trajectories   # trajectories neither waiting here nor finished (deterministic barriers)
+        self._order = 0
+
+    def pick_engine(self, req: GenRequest, previous: int | None) -> int | None:
+        """The engine with the most free capacity among those the request fits in (ties: lowest index);
+        the previous engine when it fits and is within `prefix_affinity` of the best; None when none fits."""
+        free = [e.free_tokens() for e in self.engines]
+        fits = [i for i in range(len(self.engines)) if req.need <= free[i]]
+        if not fits:
+            return None
+        best = max(fits, key=lambda i: (free[i], -i))
+        if previous in fits and free[previous] >= free[best] - self.cfg.prefix_affinity * \
+                self.engines[previous].capacity_tokens:
+            return previous
+        return best
+
+    async def generate(self, req: GenRequest, previous: int | None) -> tuple[GenResult, int]:
+        """Generate one turn; returns the result and the engine that produced it."""
+        loop = asyncio.get_running_loop()
+        out = loop.create_future()
+        problem, sample, turn = req.key
+        if self.cfg.routing == "static":   # baseline: a fixed contiguous share of the rollouts per engine
+            index = problem * self.n_per_problem + sample
+            self._send(req, index * len(self.engines) // self.num_trajectories, out)
+        elif self.cfg.routing == "least_requests":  # baseline: fewest requests held, fits or not
+            counts = [e.num_requests() for e in self.engines]
+            self._send(req, counts.index(min(counts)), out)
+        elif self.cfg.routing == "kv":
+            if self.cfg.deterministic:
+                priority = (problem, sample)
+            else:
+                priority = (0 if turn > 0 else 1, self._order)
+            self._order += 1
+            heapq.heappush(self.waiting, (priority, self._order, req, previous, out))
+            self.busy -= 1
+            self.dispatch()
+        else:
+            raise ValueError(f"unknown routing {self.cfg.routing!r} (kv | least_requests | static)")
+        return await out
+
+    def dispatch(self) -> None:
+        """Place waiting requests in order while the first one fits somewhere (no overtaking: a long request
+        is never starved by short ones). Deterministic mode places only at barriers."""
+        if self.cfg.deterministic and self.busy > 0:
+            return
+        while self.waiting:
+            _, _, req, previous, out = self.waiting[0]
+            i = self.pick_engine(req, previous)
+            if i is None:
+                return
+            heapq.heappop(self.waiting)
+            self.busy += 1
+            self._send(req, i, out)
+
+    def _send(self, req: GenRequest, i: int, out: asyncio.Future) -> None:
+        def done(inner: asyncio.Future) -> None:
+            if inner.exception() is not None:
+                out.set_exception(inner.exception())
+            else:
+                out.set_result((inner.result(), i))
+            self.dispatch()  # the engine's capacity is free again
+
+        self.engines[i].submit(req).add_done_callback(done)
+
+    def trajectory_done(self) -> None:
+        self.busy -= 1
+        self.dispatch()
+
+
+async def run_tool(pool, call: ToolCall, cfg: RolloutConfig) -> tuple[str, str]:
+    """Run one tool call in the sandbox pool: (the text inside <tool_response>, status). A malformed call
+    returns its error text without running anything."""
+    from sandbox import format_tool_response
+
+    if call.code is None:
+        return call.error, "malformed"
+    result = await pool.run(call.code, call.stdin, timeout_s=cfg.tool_timeout_s)
+    if cfg.deterministic:  # the execution time would make the text (and so the tokens) differ between runs
+        result = replace(result, duration_s=0.0)
+    return format_tool_response(result), result.status
+
+
+async def rollout_one(sched: Scheduler, pool, tokenizer, cfg: RolloutConfig, seed: int, problem_index: int,
+                      sample_index: int, problem_id: str, prompt_ids: list[int]) -> Trajectory:
+    """One multi-turn trajectory: generate, run the tool call, insert its result, ... until the end of turn,
+    the length budget or the turn limit."""
+    traj = Trajectory(problem_id, list(prompt_ids))
+    context = list(prompt_ids)
+    model_text = []
+    engine = None
+    try:
+        for turn in range(cfg.max_turns):
+            budget = cfg.max_response_tokens - traj.num_response_tokens
+            if budget <= 0:
+                traj.finish_reason = "length"
+                break
+            req = GenRequest(list(context), budget, cfg.temperature, cfg.top_p,
+                             request_seed(seed, problem_index, sample_index, turn),
+                             (problem_index, sample_index, turn))
+            result, engine = await sched.generate(req, engine)
+            traj.turns += 1
+            traj.engines.append(engine)
+            traj.segments.append(Segment(list(result.token_ids), 1, list(result.logprobs)))  # eos kept
+            context += result.token_ids
+            text = tokenizer.decode(result.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            model_text.append(text)
+            if result.finish == "eos":
+                traj.finish_reason = "answer"  # ended its turn without a tool call, answer or not
+                break
+            if result.finish == "length":
+                traj.finish_reason = "length"
+                break
+            if turn + 1 == cfg.max_turns:  # the last allowed turn ended in a call: it is not run
+                traj.finish_reason = "turns"
+                break
+            call = parse_tool_call(text) or ToolCall(
+                None, "", f"Error: the turn ended at {TOOL_CALL_CLOSE} without a matching {TOOL_CALL_OPEN}.")
+            response, status = await run_tool(pool, call, cfg)
+            traj.tool_calls += 1
+            traj.tool_errors += status != "ok"
+            traj.tool_statuses[status] = traj.tool_statuses.get(status, 0) + 1
+            inserted = encode(tokenizer, tool_response_text(response))
+            if len(inserted) > cfg.max_response_tokens - traj.num_response_tokens:
+                traj.finish_reason = "length"  # the tool's answer does not fit in the budget
+                break
+            traj.segments.append(Segment(inserted, 0))
+            context += inserted
+    except Exception as e:  # an engine or sandbox failure ends this trajectory only
+        traj.finish_reason, traj.error = "error", f"{type(e).__name__}: {e}"
+    finally:
+        sched.trajectory_done()
+    traj.response_text = tokenizer.decode(traj.response_ids, skip_special_tokens=False,
+                                          clean_up_tokenization_spaces=False)
+    traj.answer_tags = sum(t.count("<answer>") for t in model_text)
+    return traj
+
+
+async def rollout_groups(engines: list, pool, tokenizer, problems: list[tuple[str, str]], n_per_problem: int,
+                         cfg: RolloutConfig, seed: int, progress: bool = True) -> list[list[Trajectory]]:
+    """All n_per_problem trajectories of every problem, concurrently. Returns groups in problem order, each
+    group in sample order. Runs on the caller's event loop (the one the sandbox pool lives on)."""
+    from tqdm.auto import tqdm
+
+    prompts = [render_prompt(tokenizer, question) for _, question in problems]
+    biggest = max(e.capacity_tokens for e in engines)
+    if prompts and max(map(len, prompts)) + cfg.max_response_tokens > biggest:
+        raise ValueError(f"a prompt of {max(map(len, prompts))} tokens plus the {cfg.max_response_tokens}-token "
+                         f"budget does not fit in any engine's KV capacity ({biggest} tokens)")
+    sched = Scheduler(engines, cfg, len(problems), n_per_problem)
+    bar = tqdm(total=len(problems) * n_per_problem, desc="rollouts", unit="traj", disable=not progress)
+
+    async def one(pi: int, si: int) -> Trajectory:
+        traj = await rollout_one(sched, pool, tokenizer, cfg, seed, pi, si, problems[pi][0], prompts[pi])
+        bar.update(1)
+        return traj
+
+    try:
+        trajs = await asyncio.gather(*(one(pi, si) for pi in range(len(problems)) for si in range(n_per_problem)))
+        await asyncio.gather(*(e.worker for e in engines if getattr(e, "worker", None) and not e.worker.done()))
+    finally:
+        bar.close()
+    return [trajs[pi * n_per_problem:(pi + 1) * n_per_problem] for pi in range(len(problems))]
+
+
+def run_rollouts(engines: list, pool, tokenizer, problems: list[tuple[str, str]], n_per_problem: int,
+                 cfg: RolloutConfig, seed: int, progress: bool = True,
+                 loop: asyncio.AbstractEventLoop | None = None) -> list[list[Trajectory]]:
+    """Synchronous entry point for the trainer: loop.run_until_complete(rollout_groups(...)). Pass the event loop
+    that the sandbox pool was started on and keep it across steps; without one, a fresh loop is used and closed
+    (only for pools that are not bound to a loop)."""
+    coro = rollout_groups(engines, pool, tokenizer, problems, n_per_problem, cfg, seed, progress)
+    if loop is not None:
+        return loop.run_until_complete(coro)
+    fresh = asyncio.new_event_loop()
+    try:
+        return fresh.run_until_complete(coro)
+    finally:
+        fresh.close()
+
+
+def sync_weights(engines: list, weights) -> None:
+    """Send the trainer's new weights (a model or a state dict) to every engine, once per engine backend
+    (the VLLMEngine handles of one launch share a backend that broadcasts to all its GPUs)."""
+    seen = set()
+    for engine in engines:
+        backend = getattr(engine, "backend", engine)
+        if id(backend) not in seen:
+            seen.add(id(backend))
+            engine.load_weights(weights)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# vLLM engines for GPUs (imported lazily: vLLM is only in requirements-gpu.txt)
+#
+# One vLLM AsyncLLM with data_parallel_size = number of GPUs runs one engine core per GPU (dense models run
+# independently per rank); `generate(..., data_parallel_rank=i)` lets our scheduler, not vLLM's balancer, pick
+# the GPU. VLLMEngine.launch() returns one handle per GPU; the handles share the AsyncLLM (`backend`).
+#   * prefix caching is on: a continuation routed back to its engine re-uses the KV of its prefix;
+#   * log-probs: logprobs_mode="processed_logprobs" gives log_softmax(logits / T), the trainer's quantity, when
+#     top_p = 1 (the paper's setting); with top_p < 1 vLLM renormalizes over the nucleus;
+#   * weight sync (sync_weights(engines, model)): the trainer writes its state dict to a safetensors file in
+#     /dev/shm, every GPU worker loads it through VLLMWeightLoader (a vLLM worker extension) with the model's own
+#     load_weights (which fuses qkv / gate_up itself), then the prefix cache is reset (stale KV otherwise).
+#     Nothing ever calls reload_weights (the TRL sleep-mode bug, trl#5312, reloaded disk weights over trained
+#     ones). At 14B a file round trip costs seconds; NCCL or CUDA-IPC transfer is the scalable path.
+#   * capacity: vLLM's KV blocks (num_gpu_blocks * block_size, summed over the data-parallel engines) / GPUs.
+#
+# Checked by tests/gpu_check_vllm.py (outputs change after a sync, engine vs trainer log-probs, balance over the
+# GPUs). On an 8-GPU box:
+#     pip install -r requirements-gpu.txt
+#     python tests/gpu_check_vllm.py --model Qwen/Qwen2.5-1.5B-Instruct     # or any local HF model directory
+#     pytest tests/gpu_check_vllm.py -s                                     # same checks, default model
+
+
+class VLLMWeightLoader:
+    """vLLM worker extension (worker_extension_cls="scheduler.VLLMWeightLoader"): its methods run inside every
+    GPU worker, where `self.model_runner` is the worker's model runner."""
+
+    def rstar2_load_weights(self, path: str) -> int:
+        from safetensors.torch import load_file
+
+        weights = load_file(path)
+        self.model_runner.model.load_weights(weights=weights.items())
+        return len(weights)
+
+
+class VLLMEngine:
+    """One GPU's engine: a handle on a shared AsyncLLM that routes to data-parallel rank `rank`."""
+
+    def __init__(self, backend: dict, rank: int):
+        self.backend, self.rank = backend, rank
+        self.capacity_tokens = backend["capacity_per_engine"]
+        self._reserved = 0
+        self._held = 0
+        self.tokens_generated = 0
+        self.worker = None  # vLLM runs its own engine loop
+
+    @staticmethod
+    def launch(model_path: str, loop: asyncio.AbstractEventLoop, num_gpus: int | None = None,
+               gpu_memory_utilization: float = 0.85, max_model_len: int = 16384, seed: int = 0,
+               dtype: str = "bfloat16", **engine_kwargs) -> list["VLLMEngine"]:
+        """Start one vLLM engine per GPU; returns their handles. `loop` is the trainer's rollout event loop."""
+        import torch
+        from transformers import AutoTokenizer
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        num_gpus = num_gpus or torch.cuda.device_count()
+        here = os.path.dirname(os.path.abspath(__file__))  # the workers import scheduler.VLLMWeightLoader
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        args = AsyncEngineArgs(model=str(model_path), dtype=dtype, data_parallel_size=num_gpus, seed=seed,
+                               enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization,
+                               max_model_len=max_model_len, logprobs_mode="processed_logprobs",
+                               worker_extension_cls="scheduler.VLLMWeightLoader", **engine_kwargs)
+
+        async def start():  # AsyncLLM wants the loop it will run on to be running
+            return AsyncLLM.from_engine_args(args)
+
+        llm = loop.run_until_complete(start())
+        cache = llm.vllm_config.cache_config
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        backend = {"llm": llm, "loop": loop, "dtype": getattr(torch, dtype), "counter": [0],
+                   "capacity_per_engine": cache.num_gpu_blocks * cache.block_size // num_gpus,
+                   "eos_ids": eos_token_ids(tokenizer), "tie": llm.vllm_config.model_config.hf_config}
+        backend["tie"] = bool(getattr(backend["tie"], "tie_word_embeddings", False))
+        return [VLLMEngine(backend, rank) for rank in range(num_gpus)]
+
+    # -- the engine interface ------------------------------------------------------------------------------
+    def free_tokens(self) -> int:
+        return self.capacity_tokens - self._reserved
+
+    def num_requests(self) -> int:
+        return self._held
+
+    def submit(self, req: GenRequest) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        out = loop.create_future()
+        self._reserved += req.need
+        self._held += 1
+
+        def done(task: asyncio.Task) -> None:
+            self._reserved -= req.need
+            self._held -= 1
+            if task.exception() is not None:
+                out.set_exception(task.exception())
+            else:
+                self.tokens_generated += len(task.result().token_ids)
+                out.set_result(task.result())
+
+        loop.create_task(self._generate(req)).add_done_callback(done)
+        return out
+
+    async def _generate(self, req: GenRequest) -> GenResult:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        eos_ids = self.backend["eos_ids"]
+        params = SamplingParams(max_tokens=req.max_new_tokens, temperature=max(req.temperature, 0.0),
+                                top_p=req.top_p, seed=req.seed % (2 ** 31 - 1), logprobs=0, stop=[req.stop_text],
+                                include_stop_str_in_output=True, stop_token_ids=sorted(eos_ids),
+                                skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        self.backend["counter"][0] += 1
+        final = None
+        async for final in self.backend["llm"].generate(TokensPrompt(prompt_token_ids=req.ids), params,
+                                                         request_id=f"rstar2-{self.backend['counter'][0]}",
+                                                         data_parallel_rank=self.rank):
+            pass
+        o = final.outputs[0]
+        ids = list(o.token_ids)
+        lps = [lp[t].logprob for t, lp in zip(ids, o.logprobs)]
+        if ids and ids[-1] in eos_ids:
+            finish = "eos"
+        elif o.finish_reason == "stop":
+            finish = "tool"   # stopped at "</tool_call>" (vLLM keeps the tokens that completed it)
+        else:
+            finish = "length"
+        return GenResult(ids, lps, finish)
+
+    def load_weights(self, weights) -> None:
+        """Send the trainer's weights to every GPU of this launch (call once per launch: sync_weights does)."""
+        from safetensors.torch import save_file
+
+        backend = self.backend
+        state = weights.state_dict() if hasattr(weights, "state_dict") else weights
+        state = {k.removeprefix("module."): v.detach().to(backend["dtype"]).contiguous().cpu()
+                 for k, v in state.items() if not (backend["tie"] and k == "lm_head.weight")}
+        path = f"/dev/shm/rstar2_weights_{os.getpid()}.safetensors"
+        save_file(state, path)
+        try:
+            llm, loop = backend["llm"], backend["loop"]
+            loop.run_until_complete(llm.collective_rpc("rstar2_load_weights", args=(path,)))
+            reset = loop.run_until_complete(llm.reset_prefix_cache())
+            if reset is False:  # it does nothing while a request holds KV blocks (none should, between steps)
+                raise RuntimeError("vLLM refused to reset its prefix cache after a weight sync")
+        finally:
+            os.remove(path)

@@ -51,7 +51,7 @@ def load_golds(folder: str) -> list[str]:
         golds += [json.loads(line)["answer"].split("####")[-1].strip() for line in f if line.strip()]
     with open(os.path.join(folder, "train_math_rllm.json")) as f:
         golds += [str(row["answer"]).strip() for row in json.load(f)]
-    return golds
+    return [gold for gold in golds if gold]         # a few MATH rows have an empty answer
 
 
 # ---- predictions: correct, reformatted, wrong
@@ -82,7 +82,8 @@ def wrong(gold: str, rng: random.Random) -> str:
     value = grader.plain_number(grader.normalize(gold))
     if value is not None and value.denominator == 1:
         n = int(value)
-        return rng.choice([str(n + 1), str(n - 1), str(n * 100), decimal_string(Fraction(n, 100)), str(-n - 1)])
+        exploits = [str(n * 100), decimal_string(Fraction(n, 100))] if n else []   # accepted by lenient graders
+        return rng.choice([str(n + 1), str(n - 1), str(-n - 1)] + exploits)
     if value is not None:
         return rng.choice([f"\\frac{{{value.numerator + 1}}}{{{value.denominator}}}", f"{float(value):.6f}"
                            if not all(p in (2, 5) for p in small_factors(value.denominator)) else str(value + 1)])

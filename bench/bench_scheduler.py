@@ -1,0 +1,167 @@
+"""Benchmark the load-balanced rollout scheduler (paper section 3.2) against two baselines, in simulation.
+
+One RL step's rollouts (problems x samples, multi-turn, with tool calls) run on 8 simulated inference engines with
+finite KV caches (scheduler.SimulatedEngine, in virtual time, so a step of many engine-minutes runs in seconds).
+The real scheduler code runs unchanged (scheduler.rollout_groups); only the model and the sandbox are simulated:
+
+  * the "model" is a seeded script: per problem a heavy-tailed difficulty (lognormal), per trajectory a
+    heavy-tailed number of tool calls, per turn a heavy-tailed number of tokens (lognormal), each turn ending in a
+    real <tool_call> JSON (or, on the last, <answer>...<|im_end|>); the length budget cuts the longest;
+  * the "sandbox" sleeps a heavy-tailed latency (lognormal, capped by the tool timeout) and returns a short output.
+
+Three routers on the same seeded step:
+  static          the paper's baseline: each engine gets a fixed contiguous share of the rollouts (all samples of
+                  a problem on one engine), sent at once; the engine queues and preempts internally (like vLLM)
+  least_requests  each turn goes to the engine holding the fewest requests (vLLM's data-parallel balancer, the
+                  OpenRLHF dispatcher), sent at once, fits or not
+  balanced        ours: the engine with the most free KV capacity, only when prompt + remaining budget fits;
+                  continuations prefer the engine holding their prefix; tool calls release capacity at once
+
+lower_bound_s is the work divided by the total throughput: every generated token plus the unavoidable prefill
+(prompt and tool-response tokens, once each) over 8 engines at their full rate. `overflow_*` counts KV-cache
+overflows (preemptions, each followed by recomputation of the preempted context).
+
+    python bench/bench_scheduler.py                     # 8 engines, 64 problems x 16 samples
+    python bench/bench_scheduler.py --problems 128 --saturation 32
+
+The last line printed is one JSON object.
+"""
+
+import argparse
+import asyncio
+import json
+import math
+import re
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model as models  # noqa: E402
+import scheduler  # noqa: E402
+from sandbox import ExecResult  # noqa: E402
+
+# ---- arguments
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--engines", type=int, default=8)
+parser.add_argument("--problems", type=int, default=64)
+parser.add_argument("--samples", type=int, default=16, help="rollouts per problem")
+parser.add_argument("--max-response-tokens", type=int, default=8192, help="paper stage 1: 8K")
+parser.add_argument("--max-turns", type=int, default=10, help="paper stages 1-2: 10")
+parser.add_argument("--kv-capacity", type=int, default=160_000, help="KV cache of one engine, tokens")
+parser.add_argument("--tokens-per-s", type=float, default=2500.0, help="full decode rate of one engine")
+parser.add_argument("--saturation", type=int, default=12,
+                    help="concurrent sequences at which an engine reaches its full rate")
+parser.add_argument("--prefill-speedup", type=float, default=10.0, help="prefill tokens per decode token time")
+parser.add_argument("--mean-turn-tokens", type=float, default=350.0, help="median tokens of a turn, average problem")
+parser.add_argument("--mean-tool-s", type=float, default=0.3, help="median tool latency, seconds (paper: 0.3 s mean)")
+parser.add_argument("--tool-timeout-s", type=float, default=10.0)
+parser.add_argument("--seed", type=int, default=0)
+args = parser.parse_args()
+
+# ---- the simulated model and sandbox
+
+tokenizer = models.load_tokenizer(models.ensure_default_model())
+FILLER = scheduler.encode(tokenizer, " the")          # one token, repeated: the turn's "reasoning"
+ANSWER = scheduler.encode(tokenizer, "<answer>\\boxed{7}</answer>") + [tokenizer.eos_token_id]
+
+
+def tool_call_ids(latency_s: float) -> list[int]:
+    call = {"name": scheduler.TOOL_NAME, "arguments": {"code": f"sleep {latency_s:.3f}", "input": ""}}
+    return scheduler.encode(tokenizer, f"<tool_call>{json.dumps(call)}</tool_call>")
+
+
+def difficulty(problem: int) -> float:
+    return random.Random(f"{args.seed}:difficulty:{problem}").lognormvariate(0.0, 0.6)
+
+
+FIRST_TURN_AT: dict[str, float] = {}  # router -> virtual time of the last trajectory's first request
+ROUTER = [""]
+
+
+def script(req: scheduler.GenRequest):
+    """What the simulated model writes in this turn: heavy-tailed, seeded by (problem, sample, turn)."""
+    problem, sample, turn = req.key
+    if turn == 0:
+        FIRST_TURN_AT[ROUTER[0]] = asyncio.get_running_loop().time()
+    d = difficulty(problem)
+    calls = min(args.max_turns - 1, int(random.Random(f"{args.seed}:calls:{problem}:{sample}").expovariate(1 / (1.5 * d))))
+    rng = random.Random(f"{args.seed}:turn:{problem}:{sample}:{turn}")
+    tokens = FILLER * int(rng.lognormvariate(math.log(args.mean_turn_tokens * d), 0.9))
+    if turn < calls:
+        return tokens + tool_call_ids(rng.lognormvariate(math.log(args.mean_tool_s), 1.2)), "tool"
+    return tokens + ANSWER, "eos"
+
+
+class SimulatedTools:
+    """Stands in for sandbox.SandboxPool: sleeps the latency written in the call, capped by the timeout."""
+
+    async def run(self, code: str, stdin: str = "", timeout_s: float | None = None) -> ExecResult:
+        latency = float(code.split()[1])
+        if timeout_s is not None and latency > timeout_s:
+            await asyncio.sleep(timeout_s)
+            return ExecResult("timeout", "", "", None, timeout_s)
+        await asyncio.sleep(latency)
+        return ExecResult("ok", "42\n", "", 0, latency)
+
+
+# ---- one simulated step per router
+
+
+def tool_codes(traj) -> list[str]:
+    """The simulated latencies written in a trajectory's tool calls ("sleep 0.412")."""
+    return [c for c in re.findall(r'"code": "(sleep [0-9.]+)"', traj.response_text)]
+
+
+
+def run(routing: str) -> dict:
+    ROUTER[0] = routing
+    loop = scheduler.virtual_time_loop()
+    engines = [scheduler.SimulatedEngine(script, args.kv_capacity, args.tokens_per_s, args.saturation,
+                                         args.prefill_speedup) for _ in range(args.engines)]
+    cfg = scheduler.RolloutConfig(max_turns=args.max_turns, max_response_tokens=args.max_response_tokens,
+                                  tool_timeout_s=args.tool_timeout_s, routing=routing)
+    problems = [(f"p{i}", f"Problem number {i}: what is {i} + 7?") for i in range(args.problems)]
+    started = time.time()
+    groups = scheduler.run_rollouts(engines, SimulatedTools(), tokenizer, problems, args.samples, cfg,
+                                    seed=args.seed, progress=False, loop=loop)
+    trajs = [t for g in groups for t in g]
+    loop.close()
+    # the longest trajectory alone: its tokens at one sequence's speed plus its tool time (a bound on the tail)
+    single = args.tokens_per_s / args.saturation
+    critical = max(t.num_model_tokens / single + sum(float(c.split()[1]) for c in tool_codes(t)) for t in trajs)
+    tokens = [e.tokens_generated for e in engines]
+    return {"routing": routing, "step_s": loop.time(), "real_s": time.time() - started,
+            "last_start_s": FIRST_TURN_AT[routing], "critical_path_s": critical,
+            "imbalance": max(tokens) / (sum(tokens) / len(tokens)),
+            "overflow": sum(e.preemptions for e in engines),
+            "engine_tokens": [e.tokens_generated for e in engines],
+            "engine_busy_s": [round(e.busy_s, 1) for e in engines],
+            "model_tokens": sum(t.num_model_tokens for t in trajs),
+            "inserted_tokens": sum(len(t.prompt_ids) + t.num_response_tokens - t.num_model_tokens for t in trajs),
+            "finish": {r: sum(t.finish_reason == r for t in trajs) for r in ("answer", "length", "turns", "error")},
+            "tool_calls": sum(t.tool_calls for t in trajs)}
+
+
+results = {routing: run(routing) for routing in ("kv", "least_requests", "static")}
+for r in results.values():
+    print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}))
+
+ours, static, least = results["kv"], results["static"], results["least_requests"]
+work = ours["model_tokens"] + ours["inserted_tokens"] / args.prefill_speedup
+lower_bound = work / (args.engines * args.tokens_per_s)
+print(json.dumps({
+    "engines": args.engines, "rollouts": args.problems * args.samples,
+    "balanced_s": round(ours["step_s"], 1), "static_s": round(static["step_s"], 1),
+    "least_requests_s": round(least["step_s"], 1), "lower_bound_s": round(lower_bound, 1),
+    "static_over_balanced": round(static["step_s"] / ours["step_s"], 3),
+    "least_requests_over_balanced": round(least["step_s"] / ours["step_s"], 3),
+    "balanced_over_bound": round(ours["step_s"] / lower_bound, 3),
+    "critical_path_s": round(ours["critical_path_s"], 1), "last_start_balanced_s": round(ours["last_start_s"], 1),
+    "imbalance_static": round(static["imbalance"], 3), "imbalance_least_requests": round(least["imbalance"], 3),
+    "imbalance_balanced": round(ours["imbalance"], 3),
+    "overflow_static": static["overflow"], "overflow_least_requests": least["overflow"],
+    "overflow_balanced": ours["overflow"],
+}))

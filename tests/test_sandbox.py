@@ -1,0 +1,429 @@
+"""Tests for sandbox.py (paper section 3.1, the code environment): hostile inputs, isolation, the pool's life.
+
+One module-scoped pool serves most tests; each test drives it through its own `asyncio.run`, which is also how a
+synchronous trainer uses it (the pool must not be bound to one event loop).
+"""
+import asyncio
+import glob
+import os
+import socket
+import sys
+import threading
+import time
+import tracemalloc
+
+import pytest
+
+import sandbox
+from sandbox import ExecResult, SandboxPool, format_tool_response
+
+TIMEOUT = 1.5  # per-call limit for the hostile inputs
+MARGIN = 4.0  # what a call may take beyond its limit, end to end, on a busy 2-core machine (a limit, not a target)
+SECRET = "rstar2-sandbox-test-secret-4242"
+os.environ["RSTAR2_SANDBOX_TEST_SECRET"] = SECRET  # set before any pool starts: must never reach the code
+IS_ROOT = os.geteuid() == 0
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = SandboxPool(workers=2, timeout_s=TIMEOUT, memory_mb=768)
+    asyncio.run(p.start())
+    yield p
+    asyncio.run(p.close())
+
+
+def run(pool, code, stdin="", timeout_s=None) -> ExecResult:
+    return asyncio.run(pool.run(code, stdin=stdin, timeout_s=timeout_s))
+
+
+def pool_uids(pool) -> set[int]:
+    return {sandbox.sandbox_uid({"sandbox_uid": pool.config.sandbox_uid, "parent_pid": os.getpid(), "index": i})
+            for i in range(pool.workers)}
+
+
+def processes_of(uids: set[int]) -> list[int]:
+    """Host-side view: every process (zombies included) whose real uid is one of `uids`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
+        except (OSError, StopIteration):
+            continue
+        if uid in uids:
+            found.append(int(pid))
+    return found
+
+
+def wait_until(predicate, limit_s=5.0) -> bool:
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hostile inputs: (name, code, expected status, extra check on the result)
+
+HOSTILE = [
+    ("busy loop", "while True: pass", "timeout", None),
+    ("sleep forever", "import time\ntime.sleep(10**6)", "timeout", None),
+    ("swallow every exception",
+     "while True:\n    try:\n        while True: pass\n    except BaseException:\n        pass", "timeout", None),
+    ("ignore signals",
+     "import signal\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU, signal.SIGALRM):\n"
+     "    signal.signal(s, signal.SIG_IGN)\nwhile True: pass", "timeout", None),
+    ("long C call", "sum(range(10**13))", "timeout", None),
+    ("catastrophic regex", "import re\nre.match(r'(a+)+$', 'a' * 64 + 'b')", "timeout", None),
+    ("partial output then hang", "print('started', flush=False)\nwhile True: pass", "timeout",
+     lambda r: r.stdout == "started\n"),
+    ("memory bomb: one allocation", "x = bytearray(10**12)", "memory", lambda r: "MemoryError" in r.stderr),
+    ("memory bomb: growing list", "l = []\nwhile True:\n    l.append(bytes(10**8))  # calloc: address space, not page faults", "memory", None),
+    ("memory bomb: numpy", "import numpy as np\nnp.ones((10**5, 10**5))", "memory", None),
+    ("endless output with newlines", "while True: print('spam')", "output_limit", None),
+    ("endless output without newlines", "import sys\nwhile True: sys.stdout.write('x')", "output_limit", None),
+    ("enormous single print", "print('x' * 10**8)", "output_limit", None),
+    ("enormous stderr", "import sys\nsys.stderr.write('e' * 10**7)", "output_limit", None),
+    ("binary output", "import sys\nsys.stdout.buffer.write(bytes(range(256)) * 4)", "ok",
+     lambda r: "\ufffd" in r.stdout and "abc" in r.stdout),
+    ("huge file", "with open('big', 'wb') as f:\n    for _ in range(10**4):\n        f.write(b'0' * (1 << 20))",
+     "error", lambda r: "File too large" in r.stderr or "No space left" in r.stderr),
+    ("deep recursion", "def f(n):\n    return f(n + 1)\nf(0)", "error", lambda r: "RecursionError" in r.stderr),
+    ("recursion past the C stack",  # each level goes through C (list, map); 3.12+ raises RecursionError instead
+     "import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return list(map(f, [n + 1]))\nf(0)",
+     "crashed" if sys.version_info < (3, 12) else "error", None),
+    ("segfault", "import ctypes\nctypes.string_at(0)", "crashed", lambda r: r.exit_code == -11),
+    ("abort", "import os\nos.abort()", "crashed", lambda r: "SIGABRT" in format_tool_response(r)),
+    ("kill itself", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "crashed", lambda r: r.exit_code == -9),
+    ("sys.exit(3)", "import sys\nsys.exit(3)", "error", lambda r: r.exit_code == 3),
+    ("os._exit(7)", "import os\nprint('bye')\nos._exit(7)", "error", lambda r: r.exit_code == 7),
+    ("exit with a message", "exit('goodbye')", "error", lambda r: r.exit_code == 1 and "goodbye" in r.stderr),
+    ("SystemExit(0) is success", "raise SystemExit(0)", "ok", lambda r: r.exit_code == 0),
+    ("closed stdout", "import sys, os\nprint('before')\nsys.stdout.close()\nos.close(1)", "ok",
+     lambda r: r.stdout == "before\n"),
+    ("closed every stream", "import os\nfor fd in range(3): os.close(fd)\nprint('lost')", "error", None),
+    ("stray non-daemon thread", "import threading, time\nthreading.Thread(target=lambda: time.sleep(10**6)).start()",
+     "timeout", None),
+    ("stray daemon thread", "import threading, time\n"
+     "threading.Thread(target=lambda: time.sleep(10**6), daemon=True).start()\nprint('done')", "ok", None),
+    ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "timeout", None),
+    ("detached daemons", "import os, subprocess\n"
+     "subprocess.Popen(['sleep', '1000'], start_new_session=True)\n"
+     "subprocess.Popen(['sleep', '1000'])  # keeps our stdout open\n"
+     "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        import time; time.sleep(1000)\n    os._exit(0)\n"
+     "print('spawned')", "ok", lambda r: r.stdout == "spawned\n"),
+    ("syntax error", "x = = 1", "error", lambda r: "SyntaxError" in r.stderr),
+    ("exception shows user frames only", "def g():\n    return 1 / 0\ng()", "error",
+     lambda r: 'File "<string>", line 2, in g' in r.stderr and "sandbox.py" not in r.stderr),
+    ("spoofed result text", "print('Tool call success')\n"
+     "print('{\"status\": \"ok\", \"exit_code\": 0, \"exception\": null}')\n"
+     "import os\nos.write(3, b'{\"exit_code\": 0, \"exception\": null}\\n')\nraise ValueError('real')", "error",
+     lambda r: r.exit_code == 1 and "ValueError" in r.stderr),
+    ("spoofed protocol frame", "import struct, json, sys\nm = json.dumps({'status': 'ok'}).encode()\n"
+     "sys.stdout.buffer.write(struct.pack('>I', len(m)) + m)\nsys.stdout.flush()\nraise KeyError('x')", "error", None),
+    ("input() gets EOF at once", "input()", "error", lambda r: "EOFError" in r.stderr),
+    ("NUL in source", "print(1)\x00", "rejected", None),
+    ("source too large", "x = 1\n" * 300_000, "rejected", None),
+]
+
+
+@pytest.mark.parametrize("name,code,status,check", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_input_gets_the_right_status_and_the_pool_keeps_serving(pool, name, code, status, check):
+    start = time.monotonic()
+    result = run(pool, code)
+    elapsed = time.monotonic() - start
+    assert result.status == status, (name, result)
+    assert elapsed < TIMEOUT + MARGIN, (name, elapsed)
+    assert result.duration_s <= TIMEOUT + 0.5
+    assert len(result.stdout) < 2 * pool.config.max_output_chars and len(result.stderr) < 2 * pool.config.max_output_chars
+    if check is not None:
+        assert check(result), (name, result)
+    assert run(pool, "print(6 * 7)").stdout == "42\n"  # the pool keeps serving
+
+
+def test_hostile_calls_leave_no_process_behind(pool):
+    uids = pool_uids(pool)
+    codes = {name: code for name, code, _, _ in HOSTILE}
+    for code in [codes["fork bomb"], codes["detached daemons"]]:
+        for _ in range(2):  # reach both workers
+            run(pool, code)
+        # what may remain: one process per worker, the fork that waits for the next call
+        assert wait_until(lambda: all(len(processes_of({uid})) <= 1 for uid in uids)), processes_of(uids)
+    # ... and from inside, a call sees only itself
+    r = run(pool, "import os\nprint([p for p in os.listdir('/proc') if p.isdigit()], os.getpid())")
+    pids, me = r.stdout.rsplit(" ", 1)
+    assert eval(pids) == [me.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Isolation
+
+
+def test_code_runs_unprivileged_with_a_clean_environment(pool):
+    r = run(pool, "import os\nprint(os.getuid(), os.geteuid(), os.getgid())\nprint(sorted(os.environ))\n"
+                  "print(open('/proc/self/status').read())")
+    assert r.status == "ok", r
+    uid, euid, gid = map(int, r.stdout.splitlines()[0].split())
+    assert uid != 0 and euid != 0 and gid != 0
+    assert uid in pool_uids(pool)
+    assert "CapEff:\t0000000000000000" in r.stdout
+    assert SECRET not in r.stdout
+    assert eval(r.stdout.splitlines()[1]) == sorted(sandbox.SANDBOX_ENV)
+
+
+def test_environment_secrets_of_the_parent_are_unreachable(pool):
+    code = ("import os\nfound = []\nfor p in os.listdir('/proc'):\n"
+            "    try: found.append(open(f'/proc/{p}/environ').read())\n    except OSError: pass\n"
+            "print(found, dict(os.environ))")
+    r = run(pool, code)
+    assert r.status == "ok" and SECRET not in r.stdout
+
+
+def test_files_outside_the_scratch_directory_cannot_be_read(pool, tmp_path):
+    secret = tmp_path / "root-only.txt"
+    secret.write_text(SECRET)
+    secret.chmod(0o600)
+    for path in [str(secret), "/etc/shadow", "/etc/passwd", sandbox.__file__, "/root/.bashrc", "/proc/1/environ",
+                 "/proc/1/cmdline"]:
+        r = run(pool, f"print(open({path!r}).read())")
+        assert r.status == "error" and SECRET not in r.stdout, (path, r)
+        assert "FileNotFoundError" in r.stderr or "PermissionError" in r.stderr, (path, r)
+
+
+def test_files_outside_the_scratch_directory_cannot_be_written_or_deleted(pool, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    victim.chmod(0o666)
+    targets = [str(tmp_path / "created.txt"), "/usr/created.txt", "/created.txt", "/dev/created",
+               os.path.join(os.path.dirname(sys.executable), "created"), "/proc/created"]
+    code = (f"import os, sys\nfor path in {targets!r}:\n"
+            "    try:\n        open(path, 'w').write('x'); print('WROTE', path)\n"
+            "    except OSError as e:\n        print('denied', path, type(e).__name__)\n"
+            f"for path in [{str(victim)!r}, sys.executable, os.path.realpath(sys.executable), '/usr/bin/env']:\n"
+            "    try:\n        os.remove(path); print('DELETED', path)\n"
+            "    except OSError as e:\n        print('denied', path, type(e).__name__)\n"
+            "open('mine.txt', 'w').write('scratch is writable')\nprint(open('mine.txt').read(), os.getcwd())")
+    r = run(pool, code)
+    assert r.status == "ok", r
+    assert "WROTE" not in r.stdout and "DELETED" not in r.stdout, r.stdout
+    assert r.stdout.count("denied") == len(targets) + 4
+    assert "scratch is writable /tmp" in r.stdout
+    assert victim.read_text() == "keep me" and not (tmp_path / "created.txt").exists()
+    assert os.path.exists(sys.executable) and os.path.exists("/usr/bin/env")
+
+
+def test_loopback_services_of_the_host_are_unreachable(pool):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    try:
+        r = run(pool, f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)")
+        assert r.status == "error" and ("unreachable" in r.stderr or "refused" in r.stderr), r
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    finally:
+        listener.close()
+    r = run(pool, "import socket\nprint(socket.if_nameindex())")
+    assert r.stdout.strip() == "[(1, 'lo')]"
+
+
+def test_no_state_leaks_between_calls(pool):
+    dirty = ("import builtins, math, sys, os, random\nbuiltins.LEAK = 1\nmath.pi = 3\nsys.path.append('/leak')\n"
+             "os.environ['LEAK'] = '1'\nopen('/tmp/leak.txt', 'w').write('x')\nglobal_name = 5")
+    probe = ("import builtins, math, sys, os\n"
+             "print(hasattr(builtins, 'LEAK'), math.pi, '/leak' in sys.path, 'LEAK' in os.environ,"
+             " os.path.exists('/tmp/leak.txt'), 'global_name' in globals(), os.listdir('.'))")
+    for _ in range(3):  # both workers
+        assert run(pool, dirty).status == "ok"
+    for _ in range(4):
+        assert run(pool, probe).stdout == "False 3.141592653589793 False False False False []\n"
+    draws = {run(pool, "import random, numpy\nprint(random.random(), numpy.random.rand())").stdout for _ in range(4)}
+    assert len(draws) == 4  # every call has its own random state
+
+
+def test_interpreter_is_the_parents_and_can_import_beyond_the_preloads(pool):
+    r = run(pool, "import sys, sqlite3, xml.dom.minidom, fractions, sympy, numpy\nprint(sys.executable)\n"
+                  "import subprocess\nprint(subprocess.run([sys.executable, '-c', 'import sympy; print(sympy.pi)'],"
+                  " capture_output=True, text=True).stdout)", timeout_s=20)
+    assert r.status == "ok", r
+    assert r.stdout.split() == [sys.executable, "pi"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Behaviour of ordinary calls
+
+
+def test_notebook_style_final_expression_and_stdin(pool):
+    assert run(pool, "x = 2\nx ** 10").stdout == "1024\n"
+    assert run(pool, "print('only once')").stdout == "only once\n"
+    assert run(pool, "None").stdout == ""
+    assert run(pool, "import sympy\nx = sympy.Symbol('x')\nsympy.expand((x + 1) ** 2)").stdout == "x**2 + 2*x + 1\n"
+    assert run(pool, "a = input()\nb = input()\nprint(int(a) + int(b))", stdin="3\n4\n").stdout == "7\n"
+    assert run(pool, "import sys\nprint(len(sys.stdin.read()))", stdin="x" * 200_000).stdout == "200000\n"
+
+
+def test_long_output_keeps_head_and_tail_and_counts_the_cut(pool):
+    r = run(pool, "for i in range(100000): print(i)")
+    assert r.status == "ok"
+    assert r.stdout.startswith("0\n1\n2\n") and r.stdout.endswith("99998\n99999\n")
+    total = sum(len(f"{i}\n") for i in range(100000))
+    kept = len(r.stdout.split("\n... [")[0]) + len(r.stdout.split("] ...\n")[1])
+    assert f"[{total - kept} characters omitted]" in r.stdout
+
+
+def test_per_call_timeout_overrides_the_default(pool):
+    r = run(pool, "import time\ntime.sleep(0.3)\nprint('slept')", timeout_s=0.1)
+    assert r.status == "timeout" and r.exit_code is None
+    r = run(pool, "import time\ntime.sleep(2)\nprint('slept')", timeout_s=5)
+    assert r.status == "ok" and r.stdout == "slept\n"
+
+
+def test_format_tool_response_matches_the_papers_text():
+    ok = ExecResult("ok", "4\n", "", 0, 0.0123)
+    assert format_tool_response(ok) == "Tool call success\nstdout: 4\n\nexecution time: 0.01s"
+    bad = ExecResult("error", "", "Traceback ...\nZeroDivisionError: division by zero\n", 1, 0.5)
+    text = format_tool_response(bad)
+    assert text.startswith("Tool call failure\nreason: error (exit code 1)\nstderr: Traceback")
+    assert text.endswith("execution time: 0.50s")
+    assert "killed by signal SIGSEGV" in format_tool_response(ExecResult("crashed", "", "", -11, 0.1))
+    assert "timeout" in format_tool_response(ExecResult("timeout", "partial", "", None, 10.0))
+    long = format_tool_response(ExecResult("ok", "a" * 5000 + "b" * 5000, "", 0, 1.0), max_chars=100)
+    assert "a" * 50 + "\n... [9900 characters omitted] ...\n" + "b" * 50 in long
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The pool's life: concurrency, loops, failures, recycling, close, memory
+
+
+def test_1000_concurrent_calls_come_back_correct_and_in_order(pool):
+    async def many():
+        return await asyncio.gather(*[pool.run(f"print({i} * {i})", stdin=str(i)) for i in range(1000)])
+
+    results = asyncio.run(many())
+    assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(1000)]
+    assert all(r.status == "ok" for r in results)
+
+
+def test_cancelled_calls_do_not_disturb_the_pool(pool):
+    async def cancel_some():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(pool.run("import time\ntime.sleep(0.5)"), 0.05)
+        tasks = [asyncio.ensure_future(pool.run("while True: pass")) for _ in range(10)]
+        await asyncio.sleep(0.05)
+        for t in tasks:
+            t.cancel()
+        return await pool.run("print('still here')")
+
+    assert asyncio.run(cancel_some()).stdout == "still here\n"
+
+
+def test_pool_works_from_a_background_event_loop_thread(pool):
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        futures = [asyncio.run_coroutine_threadsafe(pool.run(f"print({i})"), loop) for i in range(20)]
+        assert [f.result(timeout=60).stdout for f in futures] == [f"{i}\n" for i in range(20)]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+def test_a_dead_worker_is_replaced(pool):
+    for pid in pool.worker_pids():
+        os.kill(pid, 9)
+    results = [run(pool, "print('alive')") for _ in range(6)]
+    assert results[-1].stdout == "alive\n"
+    assert all(r.status in ("ok", "crashed") for r in results)
+    assert pool.stats["restarts"] >= 1
+
+
+def test_workers_are_recycled_and_close_leaves_nothing_behind():
+    tmp_before = set(glob.glob("/tmp/rstar2-sandbox-*"))
+    p = SandboxPool(workers=1, timeout_s=5, preload=(), recycle_after=3)
+
+    async def session():
+        await p.start()
+        outs = []
+        for i in range(40):
+            outs.append((await p.run(f"print({i})")).stdout)
+            if p.stats["recycled"] >= 2:
+                break
+            await asyncio.sleep(0.05)  # give the spare time to boot
+        return outs
+
+    outs = asyncio.run(session())
+    assert outs == [f"{i}\n" for i in range(len(outs))]
+    assert p.stats["recycled"] >= 2
+    pids = p.worker_pids()
+    family = [int(c) for pid in pids for c in open(f"/proc/{pid}/task/{pid}/children").read().split()] + pids
+    asyncio.run(p.close())
+    assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in family)), family
+    assert p.worker_pids() == []
+    assert set(glob.glob("/tmp/rstar2-sandbox-*")) == tmp_before
+
+
+def test_parent_memory_stays_flat(pool):
+    async def batch(n):
+        for start in range(0, n, 100):
+            await asyncio.gather(*[pool.run("print(1)") for _ in range(100)])
+
+    asyncio.run(batch(300))  # warm up
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    asyncio.run(batch(2000))
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert after - before < 256 * 1024, after - before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Degraded modes: weaker isolation is announced, never silent
+
+
+def test_no_isolation_mode_warns_and_still_enforces_limits():
+    before = set(glob.glob("/tmp/rstar2-sandbox-*"))
+    p = SandboxPool(workers=1, timeout_s=1.0, preload=(), isolation="none")
+
+    async def session():
+        with pytest.warns(RuntimeWarning, match="network namespace"):
+            await p.start()
+        try:
+            return [await p.run("print(6 * 7)"), await p.run("while True: pass"),
+                    await p.run("import subprocess\nsubprocess.Popen(['sleep', '1000'], start_new_session=True)\n"
+                                "print('spawned')")]
+        finally:
+            if IS_ROOT:
+                uids = {sandbox.sandbox_uid({"sandbox_uid": p.config.sandbox_uid, "parent_pid": os.getpid(),
+                                             "index": 0})}
+                assert wait_until(lambda: len(processes_of(uids)) <= 1), processes_of(uids)  # the waiting fork
+            await p.close()
+
+    ok, timeout, daemon = asyncio.run(session())
+    assert ok.stdout == "42\n" and timeout.status == "timeout" and daemon.stdout == "spawned\n"
+    assert set(glob.glob("/tmp/rstar2-sandbox-*")) == before
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="forcing the user-namespace mode is tested as root")
+def test_user_namespace_mode_warns_and_isolates_the_network():
+    p = SandboxPool(workers=1, timeout_s=2.0, preload=("sympy",), isolation="userns")
+
+    async def session():
+        with pytest.warns(RuntimeWarning, match="separate uid"):
+            await p.start()
+        try:
+            return [await p.run("import sympy\nsympy.factorint(1001)"),
+                    await p.run("import socket\nsocket.create_connection(('127.0.0.1', 1), timeout=1)"),
+                    await p.run("print(open('/proc/self/status').read())")]
+        finally:
+            await p.close()
+
+    factor, net, status = asyncio.run(session())
+    assert factor.stdout == "{7: 1, 11: 1, 13: 1}\n"
+    assert net.status == "error" and "unreachable" in net.stderr
+    assert "CapEff:\t0000000000000000" in status.stdout

@@ -1,0 +1,342 @@
+"""Tests for scheduler.py: the tool protocol on real token ids, the transformers engine, and the scheduler.
+
+Scripted trajectories run on SimulatedEngine in virtual time (milliseconds); engine tests use the tiny random
+model; one test runs the real SmolLM2 model. Tools run in a stand-in pool (the sandbox has its own tests)."""
+import asyncio
+import json
+import re
+
+import pytest
+import torch
+
+import model as models
+import scheduler as S
+from sandbox import ExecResult
+
+# ---- helpers: a scripted "model" and a stand-in tool pool
+
+
+def call_text(code: str, stdin: str = "") -> str:
+    return "<tool_call>" + json.dumps({"name": S.TOOL_NAME, "arguments": {"code": code, "input": stdin}}) + "</tool_call>"
+
+
+class EchoTools:
+    """Stand-in for sandbox.SandboxPool: `print(X)` returns X; `sleep N` waits N (virtual) seconds; `boom` fails."""
+
+    def __init__(self):
+        self.calls = []
+
+    async def run(self, code, stdin="", timeout_s=None):
+        self.calls.append(code)
+        if code.startswith("sleep"):
+            await asyncio.sleep(float(code.split()[1]))
+            return ExecResult("ok", "slept\n", "", 0, 0.5)
+        if code == "boom":
+            return ExecResult("error", "", "ZeroDivisionError: division by zero", 1, 0.01)
+        await asyncio.sleep(0.01)
+        return ExecResult("ok", code.removeprefix("print(").removesuffix(")") + "\n", "", 0, 0.01)
+
+
+def scripted(tokenizer, turns_by_key):
+    """A SimulatedEngine script from texts: turns_by_key(problem, sample) -> list of turn texts; a turn that
+    ends with </tool_call> stops there, the last one ends with eos."""
+    def script(req):
+        problem, sample, turn = req.key
+        texts = turns_by_key(problem, sample)
+        text = texts[min(turn, len(texts) - 1)]
+        ids = S.encode(tokenizer, text)
+        if text.endswith(S.TOOL_CALL_CLOSE):
+            return ids, "tool"
+        return ids + [tokenizer.eos_token_id], "eos"
+    return script
+
+
+def run_sim(tokenizer, script, problems, n, cfg, engines=2, capacity=20000, seed=0, tools=None):
+    loop = S.virtual_time_loop()
+    engs = [S.SimulatedEngine(script, capacity, tokens_per_s=1000, saturation=4) for _ in range(engines)]
+    try:
+        groups = S.run_rollouts(engs, tools or EchoTools(), tokenizer, problems, n, cfg, seed=seed,
+                                progress=False, loop=loop)
+    finally:
+        loop.close()
+    return groups, engs
+
+
+def chatml(messages) -> str:
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+
+
+def messages_of(tokenizer, traj, question):
+    """The chat a template would render for this trajectory, built from its decoded segments."""
+    msgs = [{"role": "system", "content": S.system_message()}, {"role": "user", "content": S.user_message(question)}]
+    for seg in traj.segments:
+        text = tokenizer.decode(seg.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if seg.loss_mask:
+            msgs.append({"role": "assistant", "content": text.removesuffix(S.IM_END)})
+        else:  # inserted: "<|im_end|>\n<|im_start|>user\n<tool_response>...</tool_response><|im_end|>\n<|im_start|>assistant\n"
+            inner = text.split("<|im_start|>user\n", 1)[1].split(S.IM_END, 1)[0]
+            msgs.append({"role": "user", "content": inner})
+    return msgs
+
+
+# ---- the protocol on token ids
+
+
+def test_trajectory_ids_render_like_the_chat_template(tokenizer):
+    turns = lambda p, s: ["Let me compute. " + call_text("print(391)"),                     # noqa: E731
+                          "Try again " + call_text("boom"),
+                          "Broken <tool_call>{not json}</tool_call>",
+                          "<reason>17*23=391</reason> <answer>\\boxed{391}</answer>"]
+    groups, _ = run_sim(tokenizer, scripted(tokenizer, turns), [("p0", "What is 17*23?")], 1, S.RolloutConfig())
+    traj = groups[0][0]
+    assert traj.finish_reason == "answer" and traj.turns == 4
+    assert (traj.tool_calls, traj.tool_errors) == (3, 2)
+    assert traj.tool_statuses == {"ok": 1, "error": 1, "malformed": 1}
+    assert traj.answer_tags == 1
+    # the ids decode to exactly what the chat template renders for the same conversation
+    msgs = messages_of(tokenizer, traj, "What is 17*23?")
+    rendered = tokenizer.apply_chat_template(msgs, tokenize=False)
+    assert rendered == chatml(msgs)
+    decoded = tokenizer.decode(traj.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert decoded + "\n" == rendered  # the template adds a newline after the final <|im_end|>
+    assert "stdout: 391" in msgs[3]["content"] and "not valid JSON" in msgs[7]["content"]
+    # every masked token is inserted, every model token (the final eos included) is trained on
+    model_ids = [t for s in traj.segments if s.loss_mask for t in s.ids]
+    assert model_ids == sum((S.encode(tokenizer, t) for t in turns(0, 0)), []) + [tokenizer.eos_token_id]
+    assert traj.segments[-1].ids[-1] == tokenizer.eos_token_id and traj.segments[-1].loss_mask == 1
+    for seg in traj.segments:
+        if not seg.loss_mask:
+            text = tokenizer.decode(seg.ids, skip_special_tokens=False)
+            assert text.startswith(S.IM_END + "\n<|im_start|>user\n<tool_response>\n")
+            assert seg.ids == S.encode(tokenizer, text) and seg.logprobs is None
+    assert len(traj.loss_mask) == len(traj.input_ids)
+    assert sum(traj.loss_mask) == len(model_ids)
+
+
+def test_finish_reasons_turns_and_length(tokenizer):
+    forever = lambda p, s: ["again " + call_text(f"print({p})")]                          # noqa: E731
+    groups, _ = run_sim(tokenizer, scripted(tokenizer, forever), [("a", "q")], 1, S.RolloutConfig(max_turns=3))
+    t = groups[0][0]
+    assert (t.finish_reason, t.turns, t.tool_calls) == ("turns", 3, 2)  # the last turn's call is not run
+    # a budget that the second tool response does not fit in: "length", and nothing is inserted past it
+    first = len(S.encode(tokenizer, forever(0, 0)[0]))
+    response = len(S.encode(tokenizer, S.tool_response_text("Tool call success\nstdout: 0\n\nexecution time: 0.01s")))
+    cfg = S.RolloutConfig(max_turns=10, max_response_tokens=2 * first + response + 5)
+    groups, _ = run_sim(tokenizer, scripted(tokenizer, forever), [("a", "q")], 1, cfg)
+    t = groups[0][0]
+    assert t.finish_reason == "length" and t.num_response_tokens <= cfg.max_response_tokens
+    assert t.segments[-1].loss_mask == 1
+    # a model turn cut by the budget
+    long = lambda p, s: ["word " * 500]                                                    # noqa: E731
+    groups, _ = run_sim(tokenizer, scripted(tokenizer, long), [("a", "q")], 1, S.RolloutConfig(max_response_tokens=64))
+    t = groups[0][0]
+    assert t.finish_reason == "length" and t.num_response_tokens == 64 and t.turns == 1
+
+
+# ---- the scheduler
+
+
+def heavy_script(tokenizer):
+    """Varied turn counts and lengths, tool latencies of seconds: keeps every engine busy and unbalanced."""
+    def turns(p, s):
+        k = (p * 7 + s * 3) % 5
+        return [" x" * (40 * ((p + t) % 6 + 1)) + call_text(f"sleep {(p + s + t) % 4 * 0.7}") for t in range(k)] + \
+               [" y" * (30 * (s % 4 + 1)) + "<answer>\\boxed{1}</answer>"]
+    return scripted(tokenizer, turns)
+
+
+class Watched(S.SimulatedEngine):
+    """Records the most any submission ever reserved on this engine (test only)."""
+    max_reserved = 0
+
+    def submit(self, req):
+        fut = super().submit(req)
+        self.max_reserved = max(self.max_reserved, self._reserved)
+        return fut
+
+
+def test_no_engine_is_ever_overfilled_and_tool_calls_release_capacity(tokenizer):
+    cfg = S.RolloutConfig(max_response_tokens=1200)
+    loop = S.virtual_time_loop()
+    capacity = 4 * (len(S.render_prompt(tokenizer, "question 0")) + 1200)  # room for 4 requests each
+    engines = [Watched(heavy_script(tokenizer), capacity, tokens_per_s=500, saturation=2) for _ in range(3)]
+    problems = [(f"p{i}", f"question {i}") for i in range(8)]
+    groups = S.run_rollouts(engines, EchoTools(), tokenizer, problems, 4, cfg, seed=0, progress=False, loop=loop)
+    trajs = [t for g in groups for t in g]
+    assert all(t.finish_reason == "answer" for t in trajs)
+    assert all(e.max_reserved <= capacity for e in engines)          # never overfilled ...
+    assert max(e.max_reserved for e in engines) > 3 * capacity // 4   # ... though filled
+    assert all(e.free_tokens() == capacity and e.preemptions == 0 for e in engines)
+    assert all(e.tokens_generated > 0 for e in engines)
+    # tool calls overlap generation: the step is shorter than its busiest engine's work plus all tool waits
+    tool_s = sum(float(c.split()[1]) for t in trajs for c in re.findall(r'"code": "(sleep [0-9.]+)"', t.response_text))
+    assert loop.time() < max(e.busy_s for e in engines) + tool_s / 4
+    loop.close()
+
+
+def test_requests_go_to_the_engine_with_most_free_capacity(tokenizer):
+    cfg = S.RolloutConfig()
+    sched = S.Scheduler([S.SimulatedEngine(None, 1000), S.SimulatedEngine(None, 3000),
+                         S.SimulatedEngine(None, 2000)], cfg, 1, 1)
+    req = S.GenRequest([1] * 100, 400)
+    assert sched.pick_engine(req, None) == 1
+    sched.engines[1]._reserved = 2500                  # engine 1 now has 500 free: 2 has most
+    assert sched.pick_engine(req, None) == 2
+    assert sched.pick_engine(req, 1) == 2              # its previous engine fits, but is far more loaded
+    sched.engines[0]._reserved = 600                   # 400 free on 0 and 2: the request (500) fits only on 1
+    sched.engines[2]._reserved = 1600
+    assert sched.pick_engine(req, None) == 1
+    sched.engines[1]._reserved = 2600
+    assert sched.pick_engine(req, None) is None        # it waits
+    # prefix affinity: the previous engine when it is within 25% of capacity of the best
+    sched = S.Scheduler([S.SimulatedEngine(None, 4000), S.SimulatedEngine(None, 4000)], cfg, 1, 1)
+    sched.engines[0]._reserved = 800
+    assert sched.pick_engine(req, 0) == 0 and sched.pick_engine(req, None) == 1
+    sched.engines[0]._reserved = 1200
+    assert sched.pick_engine(req, 0) == 1
+
+
+def test_scheduler_is_deterministic_given_seed_and_engine_outputs(tokenizer):
+    cfg = S.RolloutConfig(max_response_tokens=1200)
+    problems = [(f"p{i}", f"question {i}") for i in range(6)]
+    runs = [run_sim(tokenizer, heavy_script(tokenizer), problems, 3, cfg, engines=3, capacity=6000)[0]
+            for _ in range(2)]
+    flat = [[(t.input_ids, t.engines, t.finish_reason) for g in r for t in g] for r in runs]
+    assert flat[0] == flat[1]
+    assert [[t.problem_id for t in g] for g in runs[0]] == [[p] * 3 for p, _ in problems]
+
+
+def test_routers_compared_on_one_step(tokenizer):
+    """The baselines overfill a small KV cache (preemptions); ours never does, and all produce the same data."""
+    problems = [(f"p{i}", f"question {i}") for i in range(8)]
+    out = {}
+    for routing in ("kv", "least_requests", "static"):
+        cfg = S.RolloutConfig(max_response_tokens=1200, routing=routing)
+        groups, engines = run_sim(tokenizer, heavy_script(tokenizer), problems, 4, cfg, engines=2, capacity=4000)
+        out[routing] = ([t.input_ids for g in groups for t in g], sum(e.preemptions for e in engines))
+    assert out["kv"][0] == out["static"][0] == out["least_requests"][0]
+    assert out["kv"][1] == 0 and out["static"][1] > 0
+
+
+# ---- the transformers engine
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    return models.tiny_model(tokenizer, seed=0)
+
+
+def wave(engine, reqs):
+    results = {}
+    engine.decode_wave(reqs, lambda i, r: results.__setitem__(i, r))
+    return [results[i] for i in range(len(reqs))]
+
+
+def test_engine_matches_generate_and_trainer_logprobs(tokenizer, tiny):
+    prompts = [S.render_prompt(tokenizer, q) for q in ("What is 2+2?", "Compute 3**40 with Python, please.")]
+    engine = S.TransformersEngine(tiny, tokenizer, max_batch=4)
+    greedy = wave(engine, [S.GenRequest(p, 12, temperature=0.0) for p in prompts])
+    tokenizer.padding_side = "left"
+    batch = tokenizer([tokenizer.decode(p) for p in prompts], return_tensors="pt", padding=True,
+                      add_special_tokens=False)
+    ref = tiny.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    for b, r in enumerate(greedy):
+        assert r.token_ids == ref[b, batch.input_ids.shape[1]:][:len(r.token_ids)].tolist()
+    # sampled tokens: the engine's log-probs are the trainer's log_softmax(logits / T) of the same tokens
+    sampled = wave(engine, [S.GenRequest(p, 16, temperature=0.7, seed=5) for p in prompts])
+    for p, r in zip(prompts, sampled):
+        ids = torch.tensor([p + r.token_ids])
+        with torch.no_grad():
+            logits = tiny(ids).logits[0, len(p) - 1:-1].float() / 0.7
+        trainer = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
+        assert torch.allclose(trainer, torch.tensor(r.logprobs), atol=1e-4)
+
+
+def test_engine_samples_do_not_depend_on_the_wave(tokenizer, tiny):
+    engine = S.TransformersEngine(tiny, tokenizer, max_batch=8)
+    prompts = [S.render_prompt(tokenizer, f"question number {i} " + "pad " * (3 * i)) for i in range(5)]
+    reqs = [S.GenRequest(p, 20, temperature=1.0, seed=S.request_seed(0, i, 0, 0)) for i, p in enumerate(prompts)]
+    together = wave(engine, reqs)
+    alone = [wave(engine, [r])[0] for r in reqs[:3]]
+    reordered = wave(engine, [reqs[2], reqs[0]])
+    assert [r.token_ids for r in alone] == [r.token_ids for r in together[:3]]
+    assert reordered[0].token_ids == together[2].token_ids and reordered[1].token_ids == together[0].token_ids
+    assert len({tuple(r.token_ids) for r in together}) == 5  # different seeds, different samples
+
+
+def test_engine_load_weights_in_place(tokenizer, tiny):
+    engine = S.TransformersEngine(models.tiny_model(tokenizer, seed=0), tokenizer)
+    pointers = [p.data_ptr() for p in engine.model.parameters()]
+    req = S.GenRequest(S.render_prompt(tokenizer, "hi"), 10, temperature=0.0)
+    before = wave(engine, [req])[0]
+    engine.load_weights(models.tiny_model(tokenizer, seed=1))
+    assert [p.data_ptr() for p in engine.model.parameters()] == pointers
+    after = wave(engine, [req])[0]
+    assert (after.token_ids, after.logprobs) != (before.token_ids, before.logprobs)
+    engine.load_weights(tiny.state_dict())  # same seed-0 weights as at the start
+    again = wave(engine, [req])[0]
+    assert (again.token_ids, again.logprobs) == (before.token_ids, before.logprobs)
+
+
+def test_engine_stops_at_tool_call_and_runs_concurrent_requests(tokenizer, tiny):
+    """Through the async interface: tool-call stop (the model is steered there by a biased lm_head) and capacity
+    accounting."""
+    m = models.tiny_model(tokenizer, seed=0)
+    target = S.encode(tokenizer, "</tool_call>")
+    engine = S.TransformersEngine(m, tokenizer, max_batch=4, kv_capacity_tokens=10_000)
+
+    class Steer(torch.nn.Module):  # logits favour the next token of "</tool_call>" after the prompt
+        def forward(self, input_ids=None, **kw):
+            out = m.__class__.forward(m, input_ids=input_ids, **kw)
+            out.logits[..., target[min(Steer.step, len(target) - 1)]] += 100.0
+            Steer.step += 1
+            return out
+        step = 0
+    engine._forward_model = m
+    m.forward = Steer().forward
+
+    async def go():
+        fut = engine.submit(S.GenRequest(S.render_prompt(tokenizer, "q"), 50, temperature=1.0, seed=1))
+        assert engine.free_tokens() < 10_000 and engine.num_requests() == 1
+        result = await fut
+        await engine.worker
+        return result
+
+    loop = asyncio.new_event_loop()
+    result = loop.run_until_complete(go())
+    loop.close()
+    assert result.finish == "tool" and tokenizer.decode(result.token_ids).endswith("</tool_call>")
+    assert engine.free_tokens() == 10_000 and engine.num_requests() == 0
+
+
+def test_deterministic_mode_is_bit_identical(tokenizer):
+    """Two full runs with the tiny model and barrier waves give the same ids and log-probs, bit for bit."""
+    problems = [(f"p{i}", f"What is {i} + {i}?") for i in range(3)]
+    cfg = S.RolloutConfig(max_turns=2, max_response_tokens=24, deterministic=True)
+    outs = []
+    for _ in range(2):
+        engines = [S.TransformersEngine(models.tiny_model(tokenizer, seed=0), tokenizer, max_batch=4,
+                                        kv_capacity_tokens=2 * (600 + 24)) for _ in range(2)]
+        loop = asyncio.new_event_loop()
+        groups = S.run_rollouts(engines, EchoTools(), tokenizer, problems, 2, cfg, seed=3, progress=False, loop=loop)
+        loop.close()
+        outs.append([(t.input_ids, [s.logprobs for s in t.segments], t.engines) for g in groups for t in g])
+    assert outs[0] == outs[1]
+    assert len({tuple(o[0]) for o in outs[0]}) == 6
+
+
+# ---- one short run of the real model
+
+
+def test_real_model_rollout(tokenizer, default_model_path):
+    m = models.load_model(default_model_path)
+    engine = S.TransformersEngine(m, tokenizer, max_batch=4)
+    cfg = S.RolloutConfig(max_turns=2, max_response_tokens=48)
+    question = "What is 12345 * 6789? Use the Python tool."
+    groups = S.run_rollouts([engine], EchoTools(), tokenizer, [("q", question)], 2, cfg, seed=0, progress=False)
+    for traj in groups[0]:
+        assert traj.finish_reason in ("answer", "length", "turns") and traj.turns >= 1
+        decoded = tokenizer.decode(traj.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        rendered = chatml(messages_of(tokenizer, traj, question))
+        assert rendered.startswith(decoded) and len(rendered) - len(decoded) <= len("<|im_end|>\n")
+        assert all(len(s.logprobs) == len(s.ids) and max(s.logprobs) <= 0 for s in traj.segments if s.loss_mask)

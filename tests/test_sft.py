@@ -1,0 +1,195 @@
+"""Tests for sft.py: the data follows the RL protocol with real sandbox outputs, is varied, trains on model tokens
+only, the shared-prefix loss is exact, and run_sft trains, stops early and saves a loadable checkpoint."""
+import asyncio
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import eval as grader
+import model as models
+import sft
+from sandbox import SandboxPool
+from scheduler import (IM_END, TOOL_NAME, Trajectory, encode, parse_tool_call, prompt_text, tool_response_text)
+
+
+@pytest.fixture(scope="module")
+def examples(tokenizer):
+    return sft.build_sft_examples(tokenizer, 80, seed=3)
+
+
+def model_texts(tokenizer, t: Trajectory) -> list[str]:
+    return [tokenizer.decode(s.ids) for s in t.segments if s.loss_mask]
+
+
+# ---- data
+
+
+def test_examples_follow_the_rl_protocol(tokenizer, examples):
+    assert len(examples) == 80
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    for t in examples:
+        prompt = tokenizer.decode(t.prompt_ids)
+        assert prompt.startswith(prompt_text("")) and prompt.endswith("<|im_start|>assistant\n")
+        masks = [s.loss_mask for s in t.segments]
+        assert masks == [1, 0] * t.tool_calls + [1]          # model / tool alternate, the model answers last
+        assert t.segments[-1].ids[-1] == eos                  # the model learns to stop
+        texts = model_texts(tokenizer, t)
+        for text in texts[:-1]:
+            assert re.fullmatch(r"<reason> .+ </reason>\n<tool_call>\n.+\n</tool_call>", text, re.DOTALL)
+            call = parse_tool_call(text)
+            assert call.error is None and json.loads(text.split("<tool_call>\n")[1][:-13])["name"] == TOOL_NAME
+        for s in t.segments:
+            if not s.loss_mask:
+                assert tokenizer.decode(s.ids).startswith(IM_END + "\n<|im_start|>user\n<tool_response>\n")
+        assert grader.answer_format_ok(texts[-1]) and texts[-1].startswith("<reason> ")
+        assert "\\boxed" not in "".join(texts[:-1])
+        # ids are never re-tokenized: the trajectory is exactly prompt + segments
+        assert t.input_ids == t.prompt_ids + [i for s in t.segments for i in s.ids]
+
+
+def test_tool_responses_are_real_sandbox_outputs(tokenizer, examples):
+    with_tool = [t for t in examples if t.tool_calls]
+    assert len(with_tool) >= 40
+
+    async def rerun(calls):
+        async with SandboxPool(workers=2) as pool:
+            return [await pool.run(c.code, c.stdin) for c in calls]
+
+    last_calls = [parse_tool_call(model_texts(tokenizer, t)[-2]) for t in with_tool[:12]]
+    results = asyncio.run(rerun(last_calls))
+    for t, result in zip(with_tool, results):
+        assert result.status == "ok"
+        tool_text = tokenizer.decode(t.segments[-2].ids)
+        assert f"stdout: {result.stdout}" in tool_text        # the response holds what the code really prints
+        assert grader.extract_answer(model_texts(tokenizer, t)[-1]) == result.stdout.strip()
+    for t in with_tool:
+        if t.tool_errors:                                    # "error, then fix": a real traceback comes back
+            assert "Tool call failure" in tokenizer.decode(t.segments[1].ids)
+            assert "NameError" in tokenizer.decode(t.segments[1].ids)
+
+
+def test_examples_are_varied(tokenizer, examples):
+    firsts = [model_texts(tokenizer, t)[0] for t in examples]
+    reasons = {re.match(r"<reason> (.*?) </reason>", f).group(1) for f in firsts}
+    assert len(reasons) >= 30                                # no single memorisable sentence
+    calls = [parse_tool_call(f) for f in firsts if "<tool_call>" in f]
+    assert len({c.code for c in calls}) >= 0.9 * len(calls)
+    assert any(c.stdin for c in calls) and any(not c.stdin for c in calls)       # stdin and literal styles
+    assert any("for " in c.code for c in calls) and any(c.code.startswith("print(") for c in calls)
+    counts = [t.tool_calls for t in examples]
+    assert {0, 1, 2} <= set(counts)                          # direct answers, one call, two calls
+    assert any(t.tool_errors for t in examples)
+    assert len({t.problem_id.split("-", 2)[2] for t in examples}) >= 10    # many chore kinds
+    assert sft.build_sft_examples(tokenizer, 5, seed=3)[0].input_ids == examples[0].input_ids  # seeded
+
+
+# ---- loss only on model tokens
+
+
+def test_labels_are_ignored_exactly_on_mask_0_tokens(tokenizer, examples):
+    batch = sft.collate(examples[:6], tokenizer.pad_token_id)
+    for row, t in enumerate(examples[:6]):
+        n = len(t.input_ids)
+        mask = torch.tensor(t.loss_mask)
+        labels = batch["labels"][row]
+        assert torch.equal(labels[:n] == -100, mask == 0)
+        assert torch.equal(labels[:n][mask == 1], torch.tensor(t.input_ids)[mask == 1])
+        assert (labels[n:] == -100).all() and (batch["attention_mask"][row, n:] == 0).all()
+
+
+def test_no_gradient_from_system_user_or_tool_tokens(tokenizer, examples):
+    """d loss / d logits is zero at every position whose next token is a prompt, tool or padding token."""
+    batch = sft.collate(examples[:4], tokenizer.pad_token_id)
+    B, T = batch["input_ids"].shape
+    logits = torch.randn(B, T, 50, requires_grad=True)
+    ids = batch["input_ids"] % 50
+    fake = SimpleNamespace(parameters=lambda: iter([logits]),
+                           forward=lambda input_ids, attention_mask: None)
+    fake_model = lambda input_ids, attention_mask: SimpleNamespace(logits=logits)  # noqa: E731
+    fake_model.parameters, fake_model.forward = fake.parameters, fake.forward
+    labels = torch.where(batch["labels"] == -100, -100, ids)
+    loss_sum, count = sft.batch_loss(fake_model, {**batch, "input_ids": ids, "labels": labels}, share_prefix=False)
+    loss_sum.backward()
+    trained_next = torch.zeros(B, T, dtype=torch.bool)
+    trained_next[:, :-1] = batch["labels"][:, 1:] != -100
+    row_has_grad = logits.grad.abs().sum(-1) > 0
+    assert torch.equal(row_has_grad, trained_next)
+    assert count == sum(t.num_model_tokens for t in examples[:4])
+
+
+def test_shared_prefix_gives_the_same_loss_and_gradients(tokenizer, examples):
+    model = models.tiny_model(tokenizer, seed=1)
+    batch = sft.collate(examples[:5], tokenizer.pad_token_id)
+    assert sft.shared_prefix_len(batch) > 300                  # the system prompt is shared
+    grads = []
+    for share in (False, True):
+        model.zero_grad()
+        loss_sum, count = sft.batch_loss(model, batch, share_prefix=share)
+        (loss_sum / count).backward()
+        grads.append((float(loss_sum), [p.grad.clone() for p in model.parameters()]))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-3)
+
+
+# ---- training
+
+
+def test_run_sft_trains_stops_early_and_saves(tokenizer, tmp_path):
+    model = models.tiny_model(tokenizer, seed=0)
+    cfg = sft.SFTConfig(n_examples=24, heldout_examples=4, batch_size=4, lr=3e-3, warmup_steps=1, eval_every=2,
+                        patience=1, min_delta=0.0)
+    logs = []
+    out = tmp_path / "sft" / "model"
+    metrics = sft.run_sft(model, tokenizer, cfg, out, log=logs.append)
+    assert metrics["steps"] >= 2 and metrics["examples"] == 24
+    assert metrics["heldout_losses"][-1][1] < metrics["heldout_losses"][0][1]   # it learned something
+    json.dumps(metrics)
+    reloaded = models.load_model(out)
+    assert (out / "sft_metrics.json").exists() and models.load_tokenizer(out).eos_token == IM_END
+    for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()):
+        assert torch.equal(a, b)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model"]              # no temp dirs left behind
+
+    # lr 0: the held-out loss cannot improve, so training stops after `patience` evaluations
+    cfg0 = sft.SFTConfig(n_examples=24, heldout_examples=4, batch_size=4, lr=0.0, eval_every=1, patience=1)
+    m0 = sft.run_sft(models.tiny_model(tokenizer, seed=0), tokenizer, cfg0, out, log=logs.append)
+    assert m0["stopped_early"] and m0["steps"] == 1 < m0["planned_steps"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model"]              # overwritten atomically
+
+
+# ---- chat examples from JSONL
+
+
+def test_chat_jsonl_masks_only_assistant_turns(tokenizer, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "Reverse abc."},
+                          {"role": "assistant", "content": "<tool_call>\n{}\n</tool_call>"},
+                          {"role": "tool", "content": "cba"},
+                          {"role": "assistant", "content": "<answer> \\boxed{cba} </answer>"}]},
+            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "",
+                           "tool_calls": [{"function": {"name": TOOL_NAME, "arguments": "{\"code\": \"1\"}"}}]}]}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    first, second = sft.load_chat_jsonl(path, tokenizer)
+    trained = "".join(tokenizer.decode(s.ids) for s in first.segments if s.loss_mask)
+    inserted = "".join(tokenizer.decode(s.ids) for s in first.segments if not s.loss_mask)
+    assert trained == "<tool_call>\n{}\n</tool_call><|im_end|><answer> \\boxed{cba} </answer><|im_end|>"
+    assert "<tool_response>\ncba\n</tool_response>" in inserted
+    assert "Reverse abc." in tokenizer.decode(first.prompt_ids) and "# Tools" in tokenizer.decode(first.prompt_ids)
+    assert "Be brief." in tokenizer.decode(second.prompt_ids)
+    assert parse_tool_call(tokenizer.decode(second.segments[0].ids)).code == "1"
+
+
+@pytest.mark.parametrize("bad, why", [("{not json", "not valid JSON"), ('{"text": "x"}', "messages"),
+                                      ('{"messages": [{"role": "bot", "content": "x"}]}', "role"),
+                                      ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant")])
+def test_chat_jsonl_malformed_line_names_its_line(tokenizer, tmp_path, bad, why):
+    good = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    path = tmp_path / "chats.jsonl"
+    path.write_text(f"{good}\n\n{bad}\n")
+    with pytest.raises(ValueError, match=rf"chats\.jsonl:3: .*{why}"):
+        sft.load_chat_jsonl(path, tokenizer)
