@@ -692,7 +692,6 @@ def close_runtime(rt: Runtime) -> None:
 def run_sft_stage(cfg: Config, base_model: Path) -> Path:
     """Non-reasoning SFT (paper 4.1) into out/sft; returns the checkpoint directory."""
     import model as models
-    import sandbox
     import sft
 
     d = stage_dir(cfg, "sft")
@@ -709,11 +708,7 @@ def run_sft_stage(cfg: Config, base_model: Path) -> Path:
     scfg = sft.SFTConfig(n_examples=cfg.sft_examples, epochs=cfg.sft_epochs, lr=cfg.sft_lr,
                          batch_size=cfg.sft_batch, seed=cfg.seed)
 
-    async def go():
-        async with sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s) as pool:
-            return await asyncio.to_thread(sft.run_sft, policy, tokenizer, scfg, ckpt, pool)
-
-    metrics = asyncio.run(go())
+    metrics = sft.run_sft(policy, tokenizer, scfg, ckpt)  # starts its own sandbox pool for the tool outputs
     write_json_atomic(d / "metrics.json", metrics)
     return ckpt
 

@@ -2,23 +2,24 @@
 
 The paper serves tens of thousands of tool calls per training step from an isolated, load-balanced execution
 service; tool errors and timeouts are part of the learning signal (GRPO-RoC ranks correct trajectories by their
-tool error rate, section 2.2.3). This module is that service for one machine:
+tool error rate, section 2.2.3). This module is that service for one machine. One call flows like this:
 
-    SandboxPool.run(code, stdin)                                 parent process, asyncio, any event loop
-      -> queue -> handler thread i (one per worker)              blocking I/O, so the pool is bound to no loop
-      -> length-prefixed JSON over a pipe -> worker i            a long-lived `python -I sandbox.py --worker`
-           W: enters new mount/net/ipc/uts namespaces, builds a read-only root on a tmpfs, new PID namespace
-           Z: PID 1 of that namespace; has imported numpy and sympy; per call:
-                fresh tmpfs on /tmp -> fork C -> drain C's stdout/stderr (head + tail) until exit / timeout /
-                output cap -> kill every process in the namespace -> classify -> reply
-           C: the call: rlimits, drop to an unprivileged uid, stdin from a memfd, run the code as a notebook
-              cell (a final bare expression is printed), report its exception type on fd 3, exit
+    await SandboxPool.run(code, stdin)                 parent process, asyncio, any event loop
+      -> queue -> handler thread i (one per worker)    blocking pipe I/O in threads, so the pool is bound to no loop
+      -> length-prefixed JSON -> worker i              a long-lived `python -I sandbox.py --worker`, one per core:
+           W  (once)      new mount/net/ipc/uts namespaces; a read-only root on a tmpfs; a new PID namespace
+           Z  (once)      PID 1 of that namespace: imports numpy, sympy and friends, then serves calls
+           C  (per call)  forked by Z *before* the call arrives (fresh tmpfs on /tmp, rlimits, unprivileged uid,
+                          clean environment, one rehearsal run), then: read code -> stdin from a memfd -> run as a
+                          notebook cell (a final bare expression is printed) -> exception type on fd 3 -> exit
+           Z              drains C's stdout/stderr (head + tail), enforces the wall-clock timeout and the output
+                          cap, kills every process in the namespace, classifies, replies, forks the next C
       <- ExecResult(status, stdout, stderr, exit_code, duration_s) -> format_tool_response() -> <tool_response>
 
-Why this shape (measured on 2 cores, see bench/bench_sandbox.py): a fork of a warm process that has already
-imported sympy costs about a millisecond, where a fresh `python -c "import sympy"` costs most of a second. Each call
-is a fresh fork, so no Python state leaks between calls (the paper's tool is stateless); killing every process in
-the worker's PID namespace after each call means daemons, `setsid` children and fork bombs die with their call.
+Why this shape (bench/bench_sandbox.py measures it): a fork of a warm process that has already imported sympy costs
+a few milliseconds, where a fresh `python -c "import sympy"` costs about half a second. Each call is a fresh fork,
+so no Python state leaks between calls (the paper's tool is stateless); killing every process in the worker's PID
+namespace after each call means daemons, `setsid` children and fork bombs die with their call.
 
 Statuses: ok | error (exception or non-zero exit) | timeout | memory (MemoryError) | output_limit (printed past the
 hard cap) | crashed (killed by a signal) | rejected (source too large, NUL bytes). For RoC, any status but "ok"
@@ -27,7 +28,7 @@ counts as a tool error.
 Isolation is set up once per worker, as far as the machine allows: as root, namespaces plus a drop to a per-worker
 uid; as an ordinary user, a user namespace (capabilities dropped instead of the uid); with neither, rlimits, a
 scratch directory, a clean environment and process-tree killing only. Whatever is missing is named in one
-warning when the pool starts; the pool never runs unisolated silently.
+warning when the pool starts; the pool never runs unisolated silently. SandboxSession adds optional state.
 
 Run `python sandbox.py` for a small demonstration.
 """
@@ -40,6 +41,7 @@ import builtins
 import concurrent.futures
 import ctypes
 import gc
+import io
 import json
 import linecache
 import math
@@ -60,7 +62,7 @@ import time
 import traceback
 import types
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crashed", "rejected")
@@ -91,8 +93,8 @@ class SandboxConfig:
     file_size_mb: int = 64  # RLIMIT_FSIZE: no file larger than this
     scratch_mb: int = 256  # size of the per-call tmpfs mounted on /tmp (the only writable place)
     max_open_files: int = 256  # RLIMIT_NOFILE
-    max_processes: int = 64  # RLIMIT_NPROC, counted per sandbox uid (each worker has its own uid)
-    sandbox_uid: int = 990_000  # worker i runs code as uid/gid sandbox_uid + i (needs no passwd entry)
+    max_processes: int = 64  # RLIMIT_NPROC, counted per uid (each worker of each pool has its own)
+    sandbox_uid: int = 990_000  # base of the unprivileged uids/gids code runs as (see sandbox_uid(); no passwd entry)
     recycle_after: int = 5000  # calls after which a worker is replaced by a fresh one (started in the background)
     startup_timeout_s: float = 120.0  # a worker must import its preloads within this
     isolation: str = "auto"  # "auto"; "userns" or "none" force the weaker modes (for tests)
@@ -167,7 +169,10 @@ def signal_name(exit_code: int | None) -> str:
 
 def format_tool_response(result: ExecResult, max_chars: int = 4096) -> str:
     """The paper's tool text: success with stdout, stderr and execution time, or failure with the reason."""
-    parts = ["Tool call success"] if result.status == "ok" else ["Tool call failure", f"reason: {describe_failure(result)}"]
+    if result.status == "ok":
+        parts = ["Tool call success"]
+    else:
+        parts = ["Tool call failure", f"reason: {describe_failure(result)}"]
     if result.stdout:
         parts.append(f"stdout: {cut_middle(result.stdout, max_chars)}")
     if result.stderr:
@@ -330,8 +335,8 @@ def enter_sandbox_root() -> None:
 
 def set_up_isolation(mode: str) -> tuple[dict, bool]:
     """Runs in W. Returns (what is in place, whether to fork Z into a new PID namespace)."""
-    iso = {"kind": "none", "network": False, "filesystem": False, "pid_namespace": False, "unprivileged": False}
-    iso["unprivileged"] = True  # in every mode: root drops to the sandbox uid, a user namespace drops capabilities
+    # "unprivileged" holds in every mode: root drops to a sandbox uid, a user namespace drops its capabilities.
+    iso = {"kind": "none", "network": False, "filesystem": False, "pid_namespace": False, "unprivileged": True}
     if mode == "none":
         return iso, False
     try:
@@ -435,8 +440,8 @@ def limit_cpu_time(timeout_s: float) -> None:
 
 
 def sandbox_uid(config: dict) -> int:
-    """Worker i of the pool with process id P runs code as base + 256 * (P % 4096) + i: two pools never share a uid
-    (a shared uid would share RLIMIT_NPROC, so one pool's fork bomb could starve the other)."""
+    """Worker i of the pool in process P runs code as base + 256 * (P % 4096) + i, so concurrent pools rarely share
+    a uid (a shared uid shares RLIMIT_NPROC: one pool's fork bomb could make another's forks fail)."""
     return config["sandbox_uid"] + 256 * (config["parent_pid"] % 4096) + config["index"]
 
 
@@ -482,11 +487,16 @@ def print_user_traceback(error: BaseException) -> None:
     traceback.print_exception(type(error), error, tb, file=sys.stderr)
 
 
-def run_cell(code: str) -> tuple[int, str | None]:
-    """Run the code in a fresh __main__; returns (exit code, name of the exception that ended it, if any)."""
+def fresh_main() -> types.ModuleType:
+    """A new, empty __main__ module for the code to run in (as `python -c` would give it)."""
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main
+    return main
+
+
+def run_cell(code: str, main: types.ModuleType) -> tuple[int, str | None]:
+    """Run the code in `main`; returns (exit code, name of the exception that ended it, if any)."""
     linecache.cache[USER_FILENAME] = (len(code), None, code.splitlines(True), USER_FILENAME)  # source in tracebacks
     try:
         body, last = compile_cell(code)
@@ -514,6 +524,15 @@ def run_cell(code: str) -> tuple[int, str | None]:
         return 1, type(e).__name__
 
 
+def replay_history(history: Sequence[tuple[str, str]], main: types.ModuleType) -> None:
+    """Stateful sessions only: rerun the session's earlier successful cells, their output thrown away."""
+    streams = sys.stdin, sys.stdout, sys.stderr
+    for code, stdin in history:
+        sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin), io.StringIO(), io.StringIO()
+        run_cell(code, main)
+    sys.stdin, sys.stdout, sys.stderr = streams
+
+
 def child_main(config: dict, iso: dict, fds: tuple[int, int, int, int], scratch: str) -> None:
     """C: set everything up, wait for the code, run it as a notebook cell, report, exit. Never returns."""
     os.setsid()  # its own session and process group (killed as a group when there is no PID namespace)
@@ -531,7 +550,7 @@ def child_main(config: dict, iso: dict, fds: tuple[int, int, int, int], scratch:
     if "numpy.random" in sys.modules:  # fork copies numpy's global random state: give every call its own seed
         sys.modules["numpy.random"].seed(int.from_bytes(os.urandom(4), "little"))  # (stdlib random reseeds itself)
 
-    run_cell("pass")  # a rehearsal: the pages the real run touches get their copy-on-write faults now, not later
+    run_cell("pass", fresh_main())  # a rehearsal: pages the real run touches take their copy-on-write faults now
     json.dumps({"exit_code": 0, "exception": None})
 
     request = read_message(0)  # -- everything above ran before the call was asked for; the clock starts here
@@ -544,7 +563,9 @@ def child_main(config: dict, iso: dict, fds: tuple[int, int, int, int], scratch:
     os.dup2(stdin, 0)  # replaces (and so closes) the request pipe
     os.close(stdin)
 
-    exit_code, exception = run_cell(request["code"])
+    main = fresh_main()
+    replay_history(request.get("history", ()), main)
+    exit_code, exception = run_cell(request["code"], main)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -623,6 +644,7 @@ class Call:
     out_r: int
     err_r: int
     result_r: int
+    reaped: bool = False  # its wait status has been collected (its pid may be reused from then on)
 
 
 def fork_call(config: dict, iso: dict, scratch_root: str | None) -> Call:
@@ -642,7 +664,7 @@ def fork_call(config: dict, iso: dict, scratch_root: str | None) -> Call:
     return Call(pid, os.pidfd_open(pid), req_w, out_r, err_r, res_r)
 
 
-def kill_everything_but_me(pid: int, iso: dict) -> None:
+def kill_everything_but_me(call: Call, iso: dict) -> None:
     """SIGKILL the call and every process it started (daemons and setsid children included)."""
     if iso["pid_namespace"]:
         assert os.getpid() == 1  # kill(-1) from a namespace's init reaches exactly that namespace
@@ -651,14 +673,16 @@ def kill_everything_but_me(pid: int, iso: dict) -> None:
         except ProcessLookupError:
             pass
         return
-    # No PID namespace: the call's process group, then anything that was re-parented to us (we are a subreaper).
-    for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-        try:
-            kill()
-        except (ProcessLookupError, PermissionError):
-            pass
+    # No PID namespace. While the call is unreaped its pid (and so its process group id) cannot be reused: kill
+    # the group. Then anything that was re-parented to us (we are a subreaper), until nothing is left.
+    if not call.reaped:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(call.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
     for _ in range(100):
-        others = [child for child in children_of(os.getpid()) if child != pid]
+        others = [child for child in children_of(os.getpid()) if child != call.pid]
         if not others:
             break
         for child in others:
@@ -692,20 +716,36 @@ def reap_all(block: bool) -> None:
             return
 
 
-def classify(reason: str | None, report: dict | None, status: int | None, rusage, cpu_limit: float) \
-        -> tuple[str, int | None]:
+def classify(reason: str | None, report: dict | None, status: int, rusage, cpu_limit: float) -> tuple[str, int | None]:
     """The status and exit code, from what we saw (our own kill reason, the wait status) and what the call said."""
     if reason is not None:  # we killed it: "timeout" or "output_limit"
         return reason, None
-    if status is not None and os.WIFSIGNALED(status):
+    if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         if sig == signal.SIGXCPU or (sig == signal.SIGKILL and rusage.ru_utime + rusage.ru_stime >= cpu_limit - 0.5):
             return "timeout", None  # the CPU-time backstop fired
         return "crashed", -sig
-    code = report["exit_code"] if status is None else os.WEXITSTATUS(status)
+    code = os.WEXITSTATUS(status)
     if report is not None and report.get("exception") == "MemoryError":
         return "memory", code
     return ("ok" if code == 0 else "error"), code
+
+
+PF_EXITING = 0x4  # task flag: the process is inside exit(2); its exit code is fixed, no more of its code runs
+
+
+def exit_status_if_exiting(pid: int) -> int | None:
+    """The wait status of a call that is already inside exit(2), read from /proc/PID/stat (flags, exit_code).
+
+    The exit's memory teardown takes milliseconds after the call has closed its streams; reading the status here
+    lets the reply go out without waiting for it. A report on fd 3 alone is never trusted: code could write one
+    and carry on. Returns None while the process still runs."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # fields[0] is field 3 (state) of proc(5)
+    except OSError:
+        return None
+    return int(fields[49]) if int(fields[6]) & PF_EXITING else None  # fields 52 (exit_code) and 9 (flags)
 
 
 def supervise_call(call: Call, request: dict, config: dict, iso: dict) -> dict:
@@ -713,7 +753,7 @@ def supervise_call(call: Call, request: dict, config: dict, iso: dict) -> dict:
     out, err, res = HeadTail(config["max_output_chars"]), HeadTail(config["max_output_chars"]), HeadTail(4096)
     streams = {call.out_r: out, call.err_r: err, call.result_r: res}  # an fd leaves this dict at EOF
     start = time.monotonic()
-    deadline, reason, exited = start + request["timeout_s"], None, False
+    deadline, reason, status, rusage = start + request["timeout_s"], None, None, None
     try:
         send_message(call.request_w, request)
     except BrokenPipeError:
@@ -733,39 +773,44 @@ def supervise_call(call: Call, request: dict, config: dict, iso: dict) -> dict:
                     del streams[fd]
         return call.pidfd in ready
 
-    # Phase 1: until the call is done (its report in and its streams closed, or its process gone), runs out of
-    # time, or prints past the hard cap.
-    while not exited and (streams or res.total_bytes == 0):
+    # Phase 1: until the call has exited (or, having closed all its streams, is inside exit(2) with a normal exit
+    # code), runs out of time, or prints past the hard cap.
+    poll_s = 0.0005  # once every stream is closed we poll /proc for the exit, backing off to 50 ms
+    while status is None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             reason = "timeout"
             break
-        exited = pump(remaining, watch_exit=True)
+        if pump(remaining if streams else min(remaining, poll_s), watch_exit=True):
+            _, status, rusage = os.wait4(call.pid, 0)  # a zombie now: its full wait status and CPU time
+            call.reaped = True
+        elif not streams:
+            early = exit_status_if_exiting(call.pid)
+            status = early if early is not None and os.WIFEXITED(early) else None  # signals: wait for rusage
+            poll_s = min(0.05, poll_s * 2)
         if out.total_bytes + err.total_bytes > config["hard_output_bytes"]:
             reason = "output_limit"
             break
     duration = time.monotonic() - start
 
     # Phase 2: nothing of the call survives it; read what is left in the pipes (their writers are dead now).
-    kill_everything_but_me(call.pid, iso)
+    kill_everything_but_me(call, iso)
     grace = time.monotonic() + 2.0
     while streams and time.monotonic() < grace:
         pump(grace - time.monotonic(), watch_exit=False)
     for fd in streams:
         os.close(fd)
+    if reason is not None and not call.reaped:
+        _, status, rusage = os.wait4(call.pid, 0)
+        call.reaped = True
 
-    report = None
+    report = None  # the harness's word on which exception ended the call (only MemoryError matters)
     lines = res.text().strip().splitlines()
     if lines:
         try:
             report = json.loads(lines[-1])
         except ValueError:
             pass
-    # A call that reported and closed its streams has finished; otherwise its wait status says how it ended.
-    status = rusage = None
-    if report is None or reason is not None or exited:
-        _, status, rusage = os.wait4(call.pid, 0)
-        call.pid = 0
     state, exit_code = classify(reason, report, status, rusage, math.ceil(request["timeout_s"]) + 1)
     return {"status": state, "stdout": out.text(), "stderr": err.text(), "exit_code": exit_code,
             "duration_s": duration}
@@ -773,7 +818,7 @@ def supervise_call(call: Call, request: dict, config: dict, iso: dict) -> dict:
 
 def finish_call(call: Call, iso: dict) -> None:
     """After the reply has gone: reap the call and everything it left (all already SIGKILLed)."""
-    if call.pid:
+    if not call.reaped:
         os.waitpid(call.pid, 0)
     os.close(call.pidfd)
     reap_all(block=iso["pid_namespace"])
@@ -787,12 +832,12 @@ def serve(config: dict, iso: dict) -> None:
             call = fork_call(config, iso, scratch_root)
             request = read_message(0)
             if request is None:
-                kill_everything_but_me(call.pid, iso)
+                kill_everything_but_me(call, iso)
                 return
             try:
                 response = supervise_call(call, request, config, iso)
             except Exception as e:  # noqa: BLE001 - the supervisor failing is reported, not fatal
-                kill_everything_but_me(call.pid, iso)
+                kill_everything_but_me(call, iso)
                 response = {"status": "crashed", "stdout": "", "stderr": f"sandbox internal error: {e!r}",
                             "exit_code": None, "duration_s": 0.0}
             send_message(1, response)
@@ -880,6 +925,7 @@ class SandboxPool:
         if self._threads:
             return
         self._closing = False
+        self._queue = queue.SimpleQueue()  # a fresh queue: nothing left over from an earlier start() / close()
         ready = [concurrent.futures.Future() for _ in range(self.workers)]
         for index in range(self.workers):
             thread = threading.Thread(target=self._handle_worker, args=(index, ready[index]), daemon=True,
@@ -910,24 +956,29 @@ class SandboxPool:
 
     # -- calls
 
-    async def run(self, code: str, stdin: str = "", timeout_s: float | None = None) -> ExecResult:
-        rejection = self._check_input(code, stdin)
+    async def run(self, code: str, stdin: str = "", timeout_s: float | None = None,
+                  history: Sequence[tuple[str, str]] = ()) -> ExecResult:
+        """Run `code` with `stdin` in a fresh sandboxed process. `history` is for SandboxSession only."""
+        rejection = self._check_input(code, stdin, history)
         if rejection:
             return ExecResult("rejected", "", rejection, None, 0.0)
         if not self._threads:
             raise RuntimeError("SandboxPool is not started: use `async with SandboxPool() as pool` or start()")
-        request = {"code": code, "stdin": stdin, "timeout_s": float(timeout_s or self.config.timeout_s)}
+        request = {"code": code, "stdin": stdin, "timeout_s": float(timeout_s or self.config.timeout_s),
+                   "history": [list(h) for h in history]}
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._queue.put((request, future))
         return await asyncio.wrap_future(future)  # cancelling the await cancels a call that has not started
 
-    def _check_input(self, code: str, stdin: str) -> str | None:
+    def _check_input(self, code: str, stdin: str, history: Sequence[tuple[str, str]]) -> str | None:
+        """Why the call must not run ("rejected"), or None. A session's history counts toward the size limits."""
         if not isinstance(code, str) or not isinstance(stdin, str):
             return "code and input must be strings"
         if "\x00" in code:
             return "source contains a NUL byte"
         try:
-            code_bytes, stdin_bytes = len(code.encode()), len(stdin.encode())
+            code_bytes = len(code.encode()) + sum(len(c.encode()) for c, _ in history)
+            stdin_bytes = len(stdin.encode()) + sum(len(i.encode()) for _, i in history)
         except UnicodeEncodeError:
             return "source is not valid UTF-8 text"
         if code_bytes > self.config.max_source_bytes:
@@ -1044,6 +1095,27 @@ class SandboxPool:
             proc.wait()
         with self._lock:
             self._worker_pids.discard(proc.pid)
+
+
+class SandboxSession:
+    """Optional stateful tool (off by default: the paper's tool is stateless, each call a fresh process).
+
+    Later calls see the variables of earlier successful ones. As the released recipe's SimJupyterTool does, every
+    call replays the session's earlier successful calls (their output thrown away) in its own fresh fork before
+    running the new code: a failed call rolls back by construction and no process is held between turns. The
+    price: replay time grows with the history and counts toward the call's timeout, and replayed code that draws
+    random numbers draws new ones.
+    """
+
+    def __init__(self, pool: SandboxPool):
+        self.pool = pool
+        self.history: list[tuple[str, str]] = []  # (code, stdin) of every successful call so far
+
+    async def run(self, code: str, stdin: str = "", timeout_s: float | None = None) -> ExecResult:
+        result = await self.pool.run(code, stdin, timeout_s, history=self.history)
+        if result.status == "ok":
+            self.history.append((code, stdin))
+        return result
 
 
 # ---------------------------------------------------------------------------------------------------------------

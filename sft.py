@@ -40,6 +40,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -406,9 +407,39 @@ def replace_word(rng):
                  s, "input()", s)
 
 
+def evaluate_expression(rng):
+    """Written notation -> Python syntax (× for *, ^ for **, ÷ for /): formatting, not reasoning."""
+    a, b, c = rng.randint(2, 99), rng.randint(2, 60), round(rng.uniform(1, 20), 1)
+    e = rng.randint(2, 4)
+    shown, code = rng.choice([(f"{a} × {b} − {c}", f"{a} * {b} - {c}"), (f"{a}^{e} + {b}", f"{a}**{e} + {b}"),
+                              (f"({a} + {b}) ÷ {c}", f"({a} + {b}) / {c}"), (f"{c} × ({a} − {b})", f"{c} * ({a} - {b})")])
+    value = eval(code)  # noqa: S307 - our own arithmetic, no input involved
+    rounded = isinstance(value, float)
+    answer = str(round(value, 2)) if rounded else str(value)
+    expr = f"round({code}, 2)" if rounded else code
+    return Chore("evaluate the expression", pick(rng, "Evaluate {x}" + (", rounded to 2 decimals." if rounded else "."),
+                                                 "What is the value of {x}" + (" (2 decimals)?" if rounded else "?"), x=shown),
+                 answer, [f"print({expr})", f"result = {code}\nprint({'round(result, 2)' if rounded else 'result'})"])
+
+
+def percent(rng):
+    p, x = rng.choice([5, 10, 12.5, 15, 20, 25, 30, 40, 75]), rng.randint(20, 2000)
+    if rng.random() < 0.5:
+        return Chore("take the percentage", pick(rng, "What is {p}% of {x}?", "Compute {p} percent of {x}.", p=p, x=x),
+                     str(round(p / 100 * x, 2)), [f"print(round({p} / 100 * {x}, 2))",
+                                                  f"share = {p} / 100\ntotal = {x}\nprint(round(share * total, 2))"])
+    y = rng.randint(20, 2000)
+    return Chore("compute the percentage change", pick(rng, "A price goes from {x} to {y}. What is the percentage "
+                                                       "change, rounded to 1 decimal?", "By what percent does {x} "
+                                                       "change to become {y}? Round to one decimal.", x=x, y=y),
+                 str(round((y - x) / x * 100, 1)), [f"print(round(({y} - {x}) / {x} * 100, 1))",
+                                                    f"old, new = {x}, {y}\nchange = (new - old) / old * 100\nprint(round(change, 1))"])
+
+
 CHORES = [reverse_string, count_vowels, count_letter, sort_words, sort_numbers, longest_word, word_count, dedupe,
           palindrome, days_between, weekday, add_days, convert_units, temperature, seconds_to_clock, table_top,
-          table_total, most_common_letter, acronym, case_change, caesar, list_stat, extract_digits, replace_word]
+          table_total, most_common_letter, acronym, case_change, caesar, list_stat, extract_digits, replace_word,
+          evaluate_expression, percent]
 
 
 def chore_programs(chore: Chore) -> list[tuple[str, str]]:
@@ -512,12 +543,13 @@ def answer_turn(rng, reason: str, answer: str) -> str:
 
 def typo(code: str) -> str | None:
     """A buggy twin for the "error, then fix" examples: the last use of the first assigned name is misspelled."""
-    first = code.split("\n")[0] if " = " in code.split("\n")[0] else ""
-    name = first.split(" = ")[0].strip()
-    if not name.isidentifier() or code.count(name) < 2:
+    first = code.split("\n")[0]
+    name = first.split(" = ")[0].strip() if " = " in first else ""
+    uses = list(re.finditer(rf"\b{name}\b", code)) if name.isidentifier() else []
+    if len(uses) < 2:
         return None
-    i = code.rfind(name)
-    return code[:i] + name[:-1] + name[-1] * 2 + code[i + len(name):]
+    last = uses[-1]
+    return code[:last.start()] + name + name[-1] + code[last.end():]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -531,13 +563,15 @@ class Draft:
     answer: str                                  # the expected final answer (what the last program prints)
     calls: list[tuple[str, str, str]] = field(default_factory=list)   # (reason, code, stdin) per tool call
     expect: list[str] = field(default_factory=list)                   # expected status per call
-    final_reason: str = ""
+    final: str = ""                              # the final model turn, <|im_end|> included
 
 
-def draft_example(rng: random.Random, index: int, cfg: SFTConfig) -> Draft:
+def draft_example(seed: int, index: int, cfg: SFTConfig) -> Draft:
+    """The index-th example of a seeded stream (its own RNG, so example i never depends on how many were drawn)."""
+    rng = random.Random(f"sft:{seed}:{index}")
     if rng.random() < cfg.direct_share:
         q, reason, a = direct_example(rng)
-        return Draft(f"sft-{index}-direct", q, a, final_reason=reason)
+        return Draft(f"sft-{index}-direct", q, a, final=answer_turn(rng, reason, a))
     chore = rng.choice(CHORES)(rng)
     programs = chore_programs(chore)
     code, stdin = rng.choice(programs)
@@ -556,17 +590,17 @@ def draft_example(rng: random.Random, index: int, cfg: SFTConfig) -> Draft:
     else:
         d.calls, d.expect = [(first_reason, code, stdin)], ["ok"]
     finals = FINAL_REASONS if len(d.calls) > 1 else [r for r in FINAL_REASONS if "Both" not in r]
-    d.final_reason = rng.choice(finals).format(x=chore.answer)
+    d.final = answer_turn(rng, rng.choice(finals).format(x=chore.answer), chore.answer)
     return d
 
 
-def render_example(tokenizer, draft: Draft, results: list, rng: random.Random) -> Trajectory | None:
+def render_example(tokenizer, draft: Draft, results: list) -> Trajectory | None:
     """Draft + real sandbox results -> Trajectory (prompt, model and tool segments), or None when the sandbox did
     not do what the draft expects (then the example would teach something false, so it is dropped)."""
     from sandbox import format_tool_response
 
     for result, want in zip(results, draft.expect):
-        if result.status != want:
+        if result.status != want or (want == "error" and "NameError" not in result.stderr):
             return None
     if results and results[-1].stdout.strip() != draft.answer:
         return None
@@ -580,9 +614,8 @@ def render_example(tokenizer, draft: Draft, results: list, rng: random.Random) -
         t.tool_calls += 1
         t.tool_errors += result.status != "ok"
         t.tool_statuses[result.status] = t.tool_statuses.get(result.status, 0) + 1
-    final = answer_turn(rng, draft.final_reason, draft.answer)
-    t.segments.append(Segment(encode(tokenizer, final), 1))
-    t.response_text = "".join(texts) + final
+    t.segments.append(Segment(encode(tokenizer, draft.final), 1))
+    t.response_text = "".join(texts) + draft.final
     t.turns, t.answer_tags = len(draft.calls) + 1, 1
     return t
 
@@ -601,7 +634,6 @@ def build_sft_examples(tokenizer, n: int, seed: int, pool=None, cfg: SFTConfig |
     pool: a SandboxPool (bound to no event loop); None starts a private one. loop: an event loop to run on
     (None: asyncio.run; must not be called from inside a running loop - use `asyncio.to_thread` there)."""
     cfg = cfg or SFTConfig()
-    rng = random.Random(f"sft:{seed}")
 
     async def go(pool):
         examples: list[Trajectory] = []
@@ -610,10 +642,10 @@ def build_sft_examples(tokenizer, n: int, seed: int, pool=None, cfg: SFTConfig |
             want = n - len(examples)
             if want <= 0:
                 break
-            drafts = [draft_example(rng, index + i, cfg) for i in range(want + want // 10 + 1)]
+            drafts = [draft_example(seed, index + i, cfg) for i in range(want + want // 10 + 1)]
             index += len(drafts)
             for draft, results in zip(drafts, await run_drafts(drafts, pool)):
-                t = render_example(tokenizer, draft, results, rng)
+                t = render_example(tokenizer, draft, results)
                 if t is not None and len(examples) < n:
                     examples.append(t)
         return examples
@@ -881,7 +913,7 @@ def run_sft(model, tokenizer, cfg: SFTConfig, out_dir: Path | None, pool=None, l
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}", gnorm=f"{grad_norm:.2f}", lr=f"{group['lr']:.1e}")
         if heldout and ((step + 1) % cfg.eval_every == 0 or step + 1 == len(batches)):
             evals.append((step + 1, heldout_loss(model, heldout, cfg, pad_id)))

@@ -80,7 +80,8 @@ HOSTILE = [
     ("partial output then hang", "print('started', flush=False)\nwhile True: pass", "timeout",
      lambda r: r.stdout == "started\n"),
     ("memory bomb: one allocation", "x = bytearray(10**12)", "memory", lambda r: "MemoryError" in r.stderr),
-    ("memory bomb: growing list", "l = []\nwhile True:\n    l.append(bytes(10**8))  # calloc: address space, not page faults", "memory", None),
+    ("memory bomb: growing list",  # bytes(n) is calloc'ed: it takes address space without slow page faults
+     "l = []\nwhile True:\n    l.append(bytes(10**8))", "memory", None),
     ("memory bomb: numpy", "import numpy as np\nnp.ones((10**5, 10**5))", "memory", None),
     ("endless output with newlines", "while True: print('spam')", "output_limit", None),
     ("endless output without newlines", "import sys\nwhile True: sys.stdout.write('x')", "output_limit", None),
@@ -108,11 +109,13 @@ HOSTILE = [
      "timeout", None),
     ("stray daemon thread", "import threading, time\n"
      "threading.Thread(target=lambda: time.sleep(10**6), daemon=True).start()\nprint('done')", "ok", None),
-    ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "timeout", None),
+    ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+     "timeout", None),
     ("detached daemons", "import os, subprocess\n"
      "subprocess.Popen(['sleep', '1000'], start_new_session=True)\n"
      "subprocess.Popen(['sleep', '1000'])  # keeps our stdout open\n"
-     "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        import time; time.sleep(1000)\n    os._exit(0)\n"
+     "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        import time\n        time.sleep(1000)\n"
+     "    os._exit(0)\n"
      "print('spawned')", "ok", lambda r: r.stdout == "spawned\n"),
     ("syntax error", "x = = 1", "error", lambda r: "SyntaxError" in r.stderr),
     ("exception shows user frames only", "def g():\n    return 1 / 0\ng()", "error",
@@ -121,6 +124,8 @@ HOSTILE = [
      "print('{\"status\": \"ok\", \"exit_code\": 0, \"exception\": null}')\n"
      "import os\nos.write(3, b'{\"exit_code\": 0, \"exception\": null}\\n')\nraise ValueError('real')", "error",
      lambda r: r.exit_code == 1 and "ValueError" in r.stderr),
+    ("forged report, then carry on", "import os\nos.write(3, b'{\"exit_code\": 0, \"exception\": null}\\n')\n"
+     "for fd in (1, 2, 3):\n    os.close(fd)\nwhile True: pass", "timeout", None),
     ("spoofed protocol frame", "import struct, json, sys\nm = json.dumps({'status': 'ok'}).encode()\n"
      "sys.stdout.buffer.write(struct.pack('>I', len(m)) + m)\nsys.stdout.flush()\nraise KeyError('x')", "error", None),
     ("input() gets EOF at once", "input()", "error", lambda r: "EOFError" in r.stderr),
@@ -137,7 +142,8 @@ def test_hostile_input_gets_the_right_status_and_the_pool_keeps_serving(pool, na
     assert result.status == status, (name, result)
     assert elapsed < TIMEOUT + MARGIN, (name, elapsed)
     assert result.duration_s <= TIMEOUT + 0.5
-    assert len(result.stdout) < 2 * pool.config.max_output_chars and len(result.stderr) < 2 * pool.config.max_output_chars
+    assert len(result.stdout) < 2 * pool.config.max_output_chars
+    assert len(result.stderr) < 2 * pool.config.max_output_chars
     if check is not None:
         assert check(result), (name, result)
     assert run(pool, "print(6 * 7)").stdout == "42\n"  # the pool keeps serving
@@ -427,3 +433,23 @@ def test_user_namespace_mode_warns_and_isolates_the_network():
     assert factor.stdout == "{7: 1, 11: 1, 13: 1}\n"
     assert net.status == "error" and "unreachable" in net.stderr
     assert "CapEff:\t0000000000000000" in status.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Optional stateful sessions
+
+
+def test_session_keeps_state_and_rolls_back_failed_calls(pool):
+    async def turns():
+        session = sandbox.SandboxSession(pool)
+        other = sandbox.SandboxSession(pool)
+        return [await session.run("x = 5\nprint('set')"), await session.run("x * 2"),
+                await session.run("x = 100\n1 / 0"), await session.run("y = x + 1\nname = input()", stdin="ada"),
+                await session.run("print(x, y, name)"), await other.run("x"), await pool.run("x")]
+
+    set_x, double, failed, add_y, both, other, stateless = asyncio.run(turns())
+    assert set_x.stdout == "set\n" and double.stdout == "10\n"  # replayed cells print nothing
+    assert failed.status == "error"
+    assert add_y.status == "ok" and both.stdout == "5 6 ada\n"  # x = 100 was rolled back
+    assert other.status == "error" and "NameError" in other.stderr  # sessions are separate
+    assert stateless.status == "error"  # and the plain tool stays stateless
