@@ -19,6 +19,23 @@ How data flows through one trajectory (token ids are never re-tokenized):
 
 The trainer concatenates prompt_ids + segment ids, takes the loss only where loss_mask == 1, and reads the
 statistics (tool calls, tool errors, answer tags, turns) for GRPO-RoC's penalty.
+
+The trainer's API (one event loop, created once, owns the sandbox pool and every rollout step):
+
+    loop = asyncio.new_event_loop(); loop.run_until_complete(pool.start())
+    engines = [TransformersEngine(model, tokenizer, max_batch=16)]          # CPU: may share the trainer's model
+    engines = VLLMEngine.launch(model_path, loop)                           # GPUs: one engine per GPU
+    groups = run_rollouts(engines, pool, tokenizer, [(id, question), ...], n_per_problem, RolloutConfig(...),
+                          seed=step_seed, loop=loop)                        # list[list[Trajectory]], in order
+    sync_weights(engines, model)                                            # after each optimizer step
+
+Reproducibility: each request samples with its own generator seeded from (seed, problem index, sample index,
+turn), so a resumed run draws the same tokens; RolloutConfig(deterministic=True) also fixes the composition of
+every batch (waves formed at barriers), making whole runs bit-identical at the cost of tool/generation overlap.
+
+The load-balanced scheduler is measured in bench/bench_scheduler.py (simulated engines with finite KV caches,
+against the paper's static allocation and a least-requests router) and bench/bench_rollout.py (real rollouts on
+CPU against a turn-synchronous loop). The vLLM engine section below says how to check it on a GPU box.
 """
 from __future__ import annotations
 
@@ -229,7 +246,8 @@ class RolloutConfig:
     # Results are then bit-identical across runs (with the same engines and threads), at the cost of overlap:
     # no engine generates while any tool call is running. The default overlaps tools and generation and is
     # reproducible per request (each request samples with its own seed) up to floating-point noise that the
-    # composition of a batch can add to its logits.
+    # composition of a batch can add to its logits. Tool execution times are shown as 0.00s in this mode (they
+    # would change the text); a call that runs close to its timeout can still differ. Applies to routing "kv".
     deterministic: bool = False
     # "kv": ours (paper 3.2): the engine with the most free KV capacity, only when the request fits.
     # "least_requests" and "static" are the baselines that bench/bench_scheduler.py compares against:
@@ -672,7 +690,9 @@ class Scheduler:
 
     def _send(self, req: GenRequest, i: int, out: asyncio.Future) -> None:
         def done(inner: asyncio.Future) -> None:
-            if inner.exception() is not None:
+            if out.done():  # the trajectory was cancelled meanwhile
+                pass
+            elif inner.exception() is not None:
                 out.set_exception(inner.exception())
             else:
                 out.set_result((inner.result(), i))

@@ -33,6 +33,8 @@ from sandbox import SandboxPool  # noqa: E402
 # ---- arguments
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--model", default=models.DEFAULT_MODEL,
+                    help="the bundled SmolLM2 (makes few tool calls before SFT) or an HF directory, e.g. an SFT checkpoint")
 parser.add_argument("--problems", type=int, default=8)
 parser.add_argument("--samples", type=int, default=2)
 parser.add_argument("--max-response-tokens", type=int, default=512)
@@ -43,7 +45,7 @@ parser.add_argument("--engine-new-tokens", type=int, default=64)
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 
-path = models.ensure_default_model()
+path = models.resolve_model(args.model)
 tokenizer = models.load_tokenizer(path)
 model = models.load_model(path)
 problems = tasks.generate_problems(args.problems, seed=args.seed)

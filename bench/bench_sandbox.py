@@ -5,7 +5,7 @@ does. Two workloads: a trivial call (`print(1)`, so the figure is the executor's
 imports sympy and factors a number (what model-written math code looks like). Each at 1 and 32 calls in flight.
 Also: the parent's memory across many calls. The last line printed is one JSON object.
 
-    python bench/bench_sandbox.py                # about a minute and a half on 2 cores
+    python bench/bench_sandbox.py                # about a minute on 2 quiet cores
     python bench/bench_sandbox.py --quick        # a smoke run
 """
 import argparse
@@ -117,7 +117,7 @@ async def main(args):
     report["spawn_calls_per_s"] = round(await throughput(spawn_executor, TRIVIAL, n(64), 32, "1\n"), 1)
     spawn_sympy_lat = await latencies(spawn_executor, SYMPY, n(8))
     report["spawn_sympy_ms"] = round(1e3 * statistics.median(spawn_sympy_lat), 2)
-    report["spawn_sympy_calls_per_s"] = round(await throughput(spawn_executor, SYMPY, n(32), 32, SYMPY_ANSWER), 2)
+    report["spawn_sympy_calls_per_s"] = round(await throughput(spawn_executor, SYMPY, n(24), 32, SYMPY_ANSWER), 2)
 
     # ---- comparison: the sympy call, 32 in flight (throughput) and 1 in flight (latency)
     report["speedup_vs_spawn"] = round(report["pool_sympy_calls_per_s"] / report["spawn_sympy_calls_per_s"], 1)
@@ -135,6 +135,6 @@ async def main(args):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a fifth of the calls, for a smoke run")
-    parser.add_argument("--memory-calls", type=int, default=5000,
+    parser.add_argument("--memory-calls", type=int, default=3000,
                         help="extra trivial calls over which the parent's RSS is watched (10000 in the issue)")
     asyncio.run(main(parser.parse_args()))
