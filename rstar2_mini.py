@@ -566,8 +566,9 @@ def make_optimizer(model, cfg: Config):
 def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at, start=None,
                 reset_optimizer: bool = False, loss_sign: float = 1.0) -> dict:
     """The RL loop of one stage. `start` is the trainer state of a checkpoint to continue from (resume), or None."""
-    import torch
     from tqdm.auto import tqdm
+
+    import scheduler
 
     optimizer, schedule = make_optimizer(rt.model, cfg)
     step, cursor = 0, 0
@@ -609,8 +610,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
         update = {"loss": None, "clip_frac": None, "grad_norm": None, "train_tokens": 0}
         if any(abs(a) > 0 for _, a in kept):
             update = policy_update(rt, cfg, optimizer, schedule, kept, rng, loss_sign)
-            for engine in rt.engines:  # weight sync: the next rollouts sample the updated policy
-                engine.load_weights(rt.model)
+            scheduler.sync_weights(rt.engines, rt.model)  # weight sync: the next rollouts sample the new policy
         step += 1
         dt = time.time() - t0
         gen_tokens = sum(t.num_model_tokens for t in all_trajs)

@@ -75,21 +75,24 @@ def test_checkpoint_pointer_is_atomic(tmp_path, tokenizer):
 # A full RL step on a tiny model that has learned to call the tool: real sandbox calls, RoC, update, resume
 
 
-def teach_one_tool_call(m, tokenizer, steps=60):
-    """Teacher-force one tool-call trajectory into the tiny model so its rollouts really call the sandbox."""
+def teach_one_tool_call(m, tokenizer, steps=120, lr=1e-2):
+    """Teacher-force one tool-call trajectory into the tiny model so its rollouts really call the sandbox
+    (loss on the response tokens only: logits over the 49K vocabulary for the prompt would cost 8x more)."""
     text = ('<reason> I will compute it with Python. </reason>\n<tool_call>\n{"name": '
             '"execute_python_code_with_standard_io", "arguments": {"code": "print(6*7)", "input": ""}}\n</tool_call>')
-    after = scheduler.encode(tokenizer, scheduler.tool_response_text("42")) + \
+    response = scheduler.encode(tokenizer, text) + scheduler.encode(tokenizer, scheduler.tool_response_text("42")) + \
         scheduler.encode(tokenizer, "<answer> \\boxed{42} </answer><|im_end|>")
-    prompt = scheduler.render_prompt(tokenizer, "What is 6*7?")
-    ids = prompt + scheduler.encode(tokenizer, text) + after
-    x = torch.tensor([ids])
-    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    x = torch.tensor([scheduler.render_prompt(tokenizer, "What is 6*7?") + response])
+    keep = len(response) + 1
+    labels = x[:, -keep + 1:].reshape(-1)
+    opt = torch.optim.AdamW(m.parameters(), lr=lr)
     for _ in range(steps):
-        loss = m(input_ids=x, labels=x).loss
+        logits = m(input_ids=x, logits_to_keep=keep).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels)
         opt.zero_grad()
         loss.backward()
         opt.step()
+    assert loss.item() < 0.05, loss.item()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +143,7 @@ def coin(response, gold):
 
 def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_model_dir):
     # uninterrupted: 2 steps
-    cfg = tiny_config(tmp_path / "a", steps=2)
+    cfg = tiny_config(tmp_path / "a", steps=2, max_response_tokens=192, temperature=1.3)
     d_a = tmp_path / "a" / "stage1"
     d_a.mkdir(parents=True)
     last = run_steps(cfg, tool_model_dir, d_a, reward_fn=coin)
@@ -150,13 +153,13 @@ def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_mode
     assert rows_a[0]["tool_calls_per_traj"] > 0
     sample = (d_a / "samples" / "step_0001.md").read_text()
     assert "<tool_response>" in sample
-    assert rows_a[0]["loss"] is not None and rows_a[0]["grad_norm"] > 0  # an update happened
+    assert all(r["loss"] is not None and r["grad_norm"] > 0 for r in rows_a)  # both steps updated
     assert (d_a / "curves.png").exists()
     assert R.latest_checkpoint(d_a).name == "step_000002"
     assert last["step"] == 2
 
     # interrupted after step 1, then resumed from its checkpoint: step 2 logs the same numbers
-    cfg_b = tiny_config(tmp_path / "b", steps=1)
+    cfg_b = tiny_config(tmp_path / "b", steps=1, max_response_tokens=192, temperature=1.3)
     d_b = tmp_path / "b" / "stage1"
     d_b.mkdir(parents=True)
     run_steps(cfg_b, tool_model_dir, d_b, reward_fn=coin)
@@ -168,8 +171,12 @@ def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_mode
     assert [r["step"] for r in rows_b] == [1, 2]
     timing = {"step_time_s", "rollout_time_s", "gen_tokens_per_s", "train_tokens_per_s", "peak_mem_gb"}
     for key in rows_a[1]:
-        if key not in timing:
+        if key in timing:
+            continue
+        if isinstance(rows_a[1][key], float):
             assert rows_a[1][key] == pytest.approx(rows_b[1][key], rel=1e-5, abs=1e-7), key
+        else:
+            assert rows_a[1][key] == rows_b[1][key], key
 
 
 # ---------------------------------------------------------------------------------------------------------
