@@ -63,6 +63,7 @@ class Config:
     top_p: float = 1.0
     tool_timeout_s: float = 10.0
     engine_batch: int = 16            # CPU engine: sequences decoded together in one wave
+    engine: str = "auto"              # auto (vLLM on GPU when installed) | vllm | transformers
     # GRPO-RoC (paper section 2.2.3)
     roc_mode: str = "roc"             # roc (paper) | topk (released code) | none ("GRPO with tool" ablation)
     drop_all_equal: bool = True       # drop groups whose rewards are all equal (zero advantage)
@@ -94,9 +95,9 @@ class Config:
 
 PRESETS = {
     # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 take ~30 minutes.
-    "cpu": dict(steps=12, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=768,
-                lr=1e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=2048, eval_problems=32,
-                eval_samples=2, hard_scan=32, sft_examples=240),
+    "cpu": dict(steps=10, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=768,
+                lr=1e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=2048, eval_problems=24,
+                eval_samples=2, hard_scan=32, sft_examples=192, levels=(1,)),
     # One 8-GPU node: the paper's numbers (Table/section 4); lengths per stage come from STAGES below.
     "paper": dict(steps=300, groups_per_step=512, group_size=16, oversample=2, max_turns=10,
                   max_response_tokens=8192, lr=1e-6, warmup_steps=20, minibatches=1, micro_batch_tokens=32768,
@@ -571,6 +572,8 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     import scheduler
 
     optimizer, schedule = make_optimizer(rt.model, cfg)
+    if rt.accelerator is not None:  # GPU: accelerate wraps the model for bf16 autocast
+        rt.model, optimizer = rt.accelerator.prepare(rt.model, optimizer)
     step, cursor = 0, 0
     rng = random.Random(cfg.seed)
     if start is not None:
@@ -610,7 +613,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
         update = {"loss": None, "clip_frac": None, "grad_norm": None, "train_tokens": 0}
         if any(abs(a) > 0 for _, a in kept):
             update = policy_update(rt, cfg, optimizer, schedule, kept, rng, loss_sign)
-            scheduler.sync_weights(rt.engines, rt.model)  # weight sync: the next rollouts sample the new policy
+            scheduler.sync_weights(rt.engines, unwrapped(rt))  # weight sync: the next rollouts sample the new policy
         step += 1
         dt = time.time() - t0
         gen_tokens = sum(t.num_model_tokens for t in all_trajs)
@@ -636,7 +639,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
             state = {"step": step, "cursor": cursor, "stage": stage, "optimizer": optimizer.state_dict(),
                      "schedule": schedule.state_dict(), "rng": rng_state(), "roc_rng": rng.getstate(),
                      "config": dataclasses.asdict(cfg)}
-            save_checkpoint(run_dir, rt.model, rt.tokenizer, state)
+            save_checkpoint(run_dir, unwrapped(rt), rt.tokenizer, state)
             plot_curves(metrics_path, run_dir / "curves.png")
         last = row
     bar.close()
@@ -662,6 +665,13 @@ def hard_subset(rt: Runtime, cfg: Config, problem_at) -> list:
 
 
 def build_runtime(cfg: Config, model_path: Path) -> Runtime:
+    """The policy (trainer side), the rollout engines, the sandbox pool and the event loop they share.
+
+    CPU: one in-process TransformersEngine holding its own copy of the weights (synced after every update).
+    GPU: `--set engine=vllm` (or auto when vLLM is installed) starts one vLLM engine per GPU; the trainer keeps
+    the policy on GPU 0 with accelerate in bf16. vLLM is imported only on that path."""
+    import importlib.util
+
     import torch
 
     import model as models
@@ -669,19 +679,34 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
     import scheduler
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    use_vllm = cfg.engine == "vllm" or (cfg.engine == "auto" and device == "cuda"
+                                        and importlib.util.find_spec("vllm") is not None)
+    if cfg.engine not in ("auto", "vllm", "transformers"):
+        raise UsageError(f"unknown engine {cfg.engine!r}: choose auto, vllm or transformers")
+    if use_vllm and device != "cuda":
+        raise UsageError("engine=vllm needs a CUDA or ROCm GPU; use engine=transformers on a CPU")
     tokenizer = models.load_tokenizer(model_path)
-    policy = models.load_model(model_path, device=device)
-    engines = [scheduler.TransformersEngine(models.load_model(model_path, device=device), tokenizer,
-                                            max_batch=cfg.engine_batch, device=device)]
+    policy = models.load_model(model_path, dtype=torch.float32, device=device)  # fp32 master weights
     loop = asyncio.new_event_loop()
+    if use_vllm:
+        engines = scheduler.VLLMEngine.launch(str(model_path), loop, seed=cfg.seed,
+                                              max_model_len=cfg.max_response_tokens + 2048)
+    else:
+        engines = [scheduler.TransformersEngine(models.load_model(model_path, device=device), tokenizer,
+                                                max_batch=cfg.engine_batch, device=device)]
     pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s)
     loop.run_until_complete(pool.start())
     accelerator = None
     if device == "cuda":
         from accelerate import Accelerator
 
-        accelerator = Accelerator(mixed_precision="bf16")
+        accelerator = Accelerator(mixed_precision="bf16")  # bf16 autocast on GPU; fp32 on CPU (no accelerator)
     return Runtime(policy, tokenizer, engines, pool, loop, accelerator)
+
+
+def unwrapped(rt: Runtime):
+    """The plain Hugging Face model (accelerate wraps it on GPU) for saving and weight sync."""
+    return rt.accelerator.unwrap_model(rt.model) if rt.accelerator is not None else rt.model
 
 
 def close_runtime(rt: Runtime) -> None:

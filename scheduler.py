@@ -534,6 +534,7 @@ class SimulatedEngine:
         self.prefill_tokens = 0
         self.preemptions = 0
         self.busy_s = 0.0
+        self.trace: list | None = None   # set to [] to record (time, running, waiting, KV used) at every step
 
     def free_tokens(self) -> int:
         return self.capacity_tokens - self._reserved
@@ -576,6 +577,8 @@ class SimulatedEngine:
             step = self.tokens_per_step * max(n, self.saturation) / self.tokens_per_s
             step += prefill / (self.tokens_per_s * self.prefill_speedup)
             self.prefill_tokens += prefill
+            if self.trace is not None:
+                self.trace.append((asyncio.get_running_loop().time(), n, len(self._waiting), self._kv_used()))
             await asyncio.sleep(step)
             self.busy_s += step
             still = []
@@ -639,7 +642,13 @@ class Scheduler:
 
     def pick_engine(self, req: GenRequest, previous: int | None) -> int | None:
         """The engine with the most free capacity among those the request fits in (ties: lowest index);
-        the previous engine when it fits and is within `prefix_affinity` of the best; None when none fits."""
+        the previous engine when it fits and is within `prefix_affinity` of the best; None when none fits.
+
+        A request reserves its context plus its whole remaining budget (req.need). An engine cannot be told to
+        pause a sequence, so this is the only admission rule under which its KV cache can never overflow,
+        whatever the lengths turn out to be. It is conservative: at paper-like settings the cache is about half
+        used (bench/bench_scheduler.py), and admitting by expected use would pack more sequences and shorten
+        the step's tail, but brings back preemption (recompute) whenever the guess is wrong."""
         free = [e.free_tokens() for e in self.engines]
         fits = [i for i in range(len(self.engines)) if req.need <= free[i]]
         if not fits:

@@ -17,11 +17,19 @@ Three routers on the same seeded step:
   balanced        ours: the engine with the most free KV capacity, only when prompt + remaining budget fits;
                   continuations prefer the engine holding their prefix; tool calls release capacity at once
 
+Workload scale (defaults): 64 problems x 32 samples = 2048 rollouts on 8 engines, 256 per engine, as in the
+paper's stage 1 (512 prompts x 32 rollouts over 64 GPUs, one engine per GPU); 8K length budget and 10 turns
+(stages 1-2); tool latency median 0.3 s, lognormal sigma 1.2 (heavy tail, cut at the 10 s timeout). A KV cache of
+160K tokens holds about 18 full-length (prompt + 8K) sequences (Qwen3-14B, 160 KB a token, on an 80 GB GPU at
+0.8 memory utilization gives about 190K). With 256 rollouts sent to an engine at once, the static baseline
+overflows its cache and preempts; each preempted sequence recomputes its whole context (prompt and every token so
+far) when it is admitted again, charged at the prefill rate.
+
 lower_bound_s is the work divided by the total throughput: every generated token plus the unavoidable prefill
 (prompt and tool-response tokens, once each) over 8 engines at their full rate. `overflow_*` counts KV-cache
 overflows (preemptions, each followed by recomputation of the preempted context).
 
-    python bench/bench_scheduler.py                     # 8 engines, 64 problems x 16 samples
+    python bench/bench_scheduler.py                     # 8 engines, 64 problems x 32 samples
     python bench/bench_scheduler.py --problems 128 --saturation 32
 
 The last line printed is one JSON object.
@@ -47,7 +55,7 @@ from sandbox import ExecResult  # noqa: E402
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--engines", type=int, default=8)
 parser.add_argument("--problems", type=int, default=64)
-parser.add_argument("--samples", type=int, default=16, help="rollouts per problem")
+parser.add_argument("--samples", type=int, default=32, help="rollouts per problem (paper: 32, down-sampled to 16)")
 parser.add_argument("--max-response-tokens", type=int, default=8192, help="paper stage 1: 8K")
 parser.add_argument("--max-turns", type=int, default=10, help="paper stages 1-2: 10")
 parser.add_argument("--kv-capacity", type=int, default=160_000, help="KV cache of one engine, tokens")

@@ -180,37 +180,59 @@ def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_mode
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Learning: with the real loss a tiny model raises its reward on a trivial task; with the sign flipped it does not
+# Learning: with the real loss a tiny model raises its reward on a trivial task; with the sign flipped it does not.
+# The task: "Pick 1 or 2", graded by the real grader against gold 1. The tiny model is first taught both answers
+# equally often (so it starts near 50% reward); RL must then prefer 1, and the flipped sign must prefer 2.
+
+COIN_QUESTION = "Pick 1 or 2."
 
 
-def first_letter_task(response, gold):
-    """Reward 1 when the response starts with a letter from a to m: a trivial, learnable preference."""
-    return 1.0 if response[:1].lower() in "abcdefghijklm" and response[:1] != "" else 0.0
+def teach_two_answers(m, tokenizer, steps=40, lr=2e-2):
+    prompt = scheduler.render_prompt(tokenizer, COIN_QUESTION)
+    answers = [scheduler.encode(tokenizer, f"<answer> \\boxed{{{k}}} </answer><|im_end|>") for k in (1, 2)]
+    x = torch.tensor([prompt + a for a in answers])
+    keep = len(answers[0]) + 1
+    labels = x[:, -keep + 1:].reshape(-1)
+    opt = torch.optim.AdamW(m.parameters(), lr=lr)
+    for _ in range(steps):
+        logits = m(input_ids=x, logits_to_keep=keep).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
 
 
-def mean_reward(rows, k):
-    return sum(r["reward"] for r in rows[-k:]) / k
+@pytest.fixture(scope="module")
+def coin_model_dir(tmp_path_factory, tokenizer):
+    m = models.tiny_model(tokenizer, seed=4)
+    teach_two_answers(m, tokenizer)
+    d = tmp_path_factory.mktemp("coin-model")
+    m.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_learning_raises_reward_and_flipped_sign_does_not(tmp_path, tiny_model_dir, sign):
-    cfg = tiny_config(tmp_path, steps=24, groups_per_step=4, group_size=4, max_turns=1, max_response_tokens=3,
-                      lr=3e-3, minibatches=1, save_every=1000, drop_all_equal=True, max_draw_rounds=1,
+def test_learning_raises_reward_and_flipped_sign_does_not(tmp_path, coin_model_dir, sign):
+    cfg = tiny_config(tmp_path, steps=16, groups_per_step=4, group_size=4, max_turns=1, max_response_tokens=24,
+                      lr=3e-3, minibatches=1, save_every=1000, drop_all_equal=True, max_draw_rounds=2,
                       samples_per_step=0)
     d = tmp_path / "stage1"
     d.mkdir()
-    rt = make_runtime(cfg, tiny_model_dir, first_letter_task)
+    rt = make_runtime(cfg, coin_model_dir)  # the real reward: eval.reward(response, "1")
     try:
-        problems = [Toy(f"p{i}", f"Say something {i}.", "") for i in range(1000)]
+        problems = [Toy(f"p{i}", COIN_QUESTION, "1") for i in range(1000)]
         R.train_stage(rt, cfg, "1", d, lambda i: problems[i], loss_sign=sign)
     finally:
         R.close_runtime(rt)
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
-    start, end = sum(r["reward"] for r in rows[:4]) / 4, mean_reward(rows, 4)
+    start = sum(r["reward"] for r in rows[:2]) / 2
+    end = sum(r["reward"] for r in rows[-4:]) / 4
+    assert 0.2 < start < 0.8, start  # the taught model starts undecided
     if sign > 0:
-        assert end > start + 0.25, (start, end)
+        assert end > 0.8, (start, end)
     else:
-        assert end < start + 0.05, (start, end)
+        assert end < 0.2, (start, end)
 
 
 # ---------------------------------------------------------------------------------------------------------
