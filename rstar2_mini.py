@@ -128,8 +128,22 @@ def log(msg: str) -> None:
 
 
 def peak_memory_gb() -> float:
-    """Peak resident memory of this process (Linux reports ru_maxrss in KiB)."""
+    """Peak resident memory of this process since the last reset_peak_memory() (Linux VmHWM; ru_maxrss elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # kB -> GB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def reset_peak_memory() -> None:
+    """Start a new peak (so an RL stage does not report the SFT stage's peak): Linux clear_refs value 5."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 def stage_dir(cfg: Config, stage: str) -> Path:
@@ -604,6 +618,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
         with metrics_path.open("a") as f:
             f.write(json.dumps({"step": 0, **before}) + "\n")
 
+    reset_peak_memory()
     bar = tqdm(total=cfg.steps, initial=step, desc=f"stage {stage} RL steps", unit="step")
     last = {}
     while step < cfg.steps:

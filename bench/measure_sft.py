@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--max-response-tokens", type=int, default=512, help="rollout budget (SFT responses ~200)")
     ap.add_argument("--max-turns", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--engine-batch", type=int, default=32)
+    ap.add_argument("--engine-batch", type=int, default=16)
     ap.add_argument("--n-examples", type=int, default=sft.SFTConfig.n_examples)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -105,6 +105,7 @@ def main() -> None:
         if args.before_problems:
             report["before"] = measure(models.load_model(base), tokenizer, pool, loop,
                                        problems[:args.before_problems], args.before_samples, args)
+            print("[before] " + json.dumps(report["before"]), flush=True)   # kept if a later phase dies
         if args.sft_dir:
             policy = models.load_model(args.sft_dir)
             metrics_file = Path(args.sft_dir) / "sft_metrics.json"
@@ -113,6 +114,7 @@ def main() -> None:
             policy = models.load_model(base)
             cfg = sft.SFTConfig(n_examples=args.n_examples, seed=args.seed)
             report["sft"] = sft.run_sft(policy, tokenizer, cfg, Path(args.out), pool)
+            policy = models.load_model(args.out)   # a fresh copy: the trainer's memory goes back to the allocator
         report["sft"] = {k: v for k, v in report["sft"].items() if k not in ("losses", "config")}
         report["after"] = measure(policy, tokenizer, pool, loop, problems[:args.problems], args.samples, args)
     finally:

