@@ -478,9 +478,12 @@ def has_valid_tool_call(traj) -> bool:
     return traj.tool_statuses.get("ok", 0) > 0
 
 
-def summarize(problems, groups, ks=(1, 4, 8, 16)) -> dict:
-    """Per-problem grades -> the benchmark's numbers. groups[i] holds the graded samples of problems[i]."""
+def summarize(problems, groups, ks=None) -> dict:
+    """Per-problem grades -> the benchmark's numbers. groups[i] holds the graded samples of problems[i].
+    pass@k and maj@k for k in ks (default: the powers of two up to n, and n itself)."""
     n = len(groups[0]) if groups else 0
+    if ks is None:
+        ks = sorted({k for k in (2, 4, 8, 16, 32, 64) if k <= n} | ({n} if n > 1 else set()))
     trajs = [t for g in groups for t in g]
     calls = sum(t.tool_calls for t in trajs)
     out = {

@@ -75,15 +75,11 @@ def test_checkpoint_pointer_is_atomic(tmp_path, tokenizer):
 # A full RL step on a tiny model that has learned to call the tool: real sandbox calls, RoC, update, resume
 
 
-def teach_one_tool_call(m, tokenizer, steps=120, lr=1e-2):
-    """Teacher-force one tool-call trajectory into the tiny model so its rollouts really call the sandbox
-    (loss on the response tokens only: logits over the 49K vocabulary for the prompt would cost 8x more)."""
-    text = ('<reason> I will compute it with Python. </reason>\n<tool_call>\n{"name": '
-            '"execute_python_code_with_standard_io", "arguments": {"code": "print(6*7)", "input": ""}}\n</tool_call>')
-    response = scheduler.encode(tokenizer, text) + scheduler.encode(tokenizer, scheduler.tool_response_text("42")) + \
-        scheduler.encode(tokenizer, "<answer> \\boxed{42} </answer><|im_end|>")
-    x = torch.tensor([scheduler.render_prompt(tokenizer, "What is 6*7?") + response])
-    keep = len(response) + 1
+def teacher_force(m, prompt: list[int], responses: list[list[int]], steps: int, lr: float) -> float:
+    """Train the tiny model to continue `prompt` with each response (loss on the response tokens only: logits over
+    the 49K vocabulary for the ~450-token prompt would cost 8x more). Returns the final loss."""
+    x = torch.tensor([prompt + r for r in responses])
+    keep = len(responses[0]) + 1
     labels = x[:, -keep + 1:].reshape(-1)
     opt = torch.optim.AdamW(m.parameters(), lr=lr)
     for _ in range(steps):
@@ -92,7 +88,17 @@ def teach_one_tool_call(m, tokenizer, steps=120, lr=1e-2):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert loss.item() < 0.05, loss.item()
+    return loss.item()
+
+
+def teach_one_tool_call(m, tokenizer, steps=120, lr=1e-2):
+    """Teacher-force one tool-call trajectory into the tiny model so its rollouts really call the sandbox."""
+    text = ('<reason> I will compute it with Python. </reason>\n<tool_call>\n{"name": '
+            '"execute_python_code_with_standard_io", "arguments": {"code": "print(6*7)", "input": ""}}\n</tool_call>')
+    response = scheduler.encode(tokenizer, text) + scheduler.encode(tokenizer, scheduler.tool_response_text("42")) + \
+        scheduler.encode(tokenizer, "<answer> \\boxed{42} </answer><|im_end|>")
+    loss = teacher_force(m, scheduler.render_prompt(tokenizer, "What is 6*7?"), [response], steps, lr)
+    assert loss < 0.05, loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,18 +194,8 @@ COIN_QUESTION = "Pick 1 or 2."
 
 
 def teach_two_answers(m, tokenizer, steps=80, lr=1e-2):
-    prompt = scheduler.render_prompt(tokenizer, COIN_QUESTION)
     answers = [scheduler.encode(tokenizer, f"<answer> \\boxed{{{k}}} </answer><|im_end|>") for k in (1, 2)]
-    x = torch.tensor([prompt + a for a in answers])
-    keep = len(answers[0]) + 1
-    labels = x[:, -keep + 1:].reshape(-1)
-    opt = torch.optim.AdamW(m.parameters(), lr=lr)
-    for _ in range(steps):
-        logits = m(input_ids=x, logits_to_keep=keep).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    teacher_force(m, scheduler.render_prompt(tokenizer, COIN_QUESTION), answers, steps, lr)
 
 
 @pytest.fixture(scope="module")
