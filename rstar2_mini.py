@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -254,7 +255,8 @@ def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0):
         rest_mask[b, : len(s) - P] = 1
     attention = torch.cat([torch.ones(B, P, dtype=torch.long, device=device), rest_mask], dim=1)
     positions = torch.arange(P, P + T, device=device).unsqueeze(0).expand(B, -1)
-    tail = model(input_ids=rest, attention_mask=attention, cache=cache, position_ids=positions)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x / 4.x
+    tail = model(input_ids=rest, attention_mask=attention, position_ids=positions, **{cache_kw: cache})
     # logits at position t predict token t+1: the prefix's last logit predicts rest[:, 0]
     logits = torch.cat([head.logits[:, -1:].expand(B, -1, -1), tail.logits[:, :-1]], dim=1).float()
     logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, rest.unsqueeze(-1)).squeeze(-1)
