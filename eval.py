@@ -486,6 +486,8 @@ def summarize(problems, groups, ks=None) -> dict:
         ks = sorted({k for k in (2, 4, 8, 16, 32, 64) if k <= n} | ({n} if n > 1 else set()))
     trajs = [t for g in groups for t in g]
     calls = sum(t.tool_calls for t in trajs)
+    correct = [t for t in trajs if t.reward > 0]
+    correct_calls = sum(t.tool_calls for t in correct)
     out = {
         "problems": len(problems), "samples_per_problem": n,
         "pass@1": sum(t.reward for t in trajs) / len(trajs) if trajs else 0.0,  # average pass@1 (paper)
@@ -493,16 +495,16 @@ def summarize(problems, groups, ks=None) -> dict:
         "tool_calls_per_problem": calls / max(len(problems), 1),
         "tool_calls_per_traj": calls / max(len(trajs), 1),
         "tool_error_rate": sum(t.tool_errors for t in trajs) / calls if calls else None,
-        "tool_error_rate_correct": (lambda c: sum(t.tool_errors for t in c) / max(sum(t.tool_calls for t in c), 1)
-                                    if any(t.tool_calls for t in c) else None)([t for t in trajs if t.reward > 0]),
+        # the paper's Figure 9 quantity: how often the tool failed inside trajectories that got the answer right
+        "tool_error_rate_correct": sum(t.tool_errors for t in correct) / correct_calls if correct_calls else None,
         "valid_tool_call_share": sum(has_valid_tool_call(t) for t in trajs) / max(len(trajs), 1),
         "answer_format_share": sum(answer_format_ok(t.response_text) for t in trajs) / max(len(trajs), 1),
         "finish_reasons": {r: sum(t.finish_reason == r for t in trajs) for r in sorted({t.finish_reason for t in trajs})},
     }
     for k in ks:
         if 1 < k <= n:
-            correct = [sum(t.reward > 0 for t in g) for g in groups]
-            out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(groups)
+            solved = [sum(t.reward > 0 for t in g) for g in groups]
+            out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in solved) / len(groups)
             votes = [majority_vote([extract_answer(t.response_text) for t in g[:k]]) for g in groups]
             out[f"maj@{k}"] = sum(v is not None and is_equiv(v, p.answer) for v, p in zip(votes, problems)) / len(groups)
     return out

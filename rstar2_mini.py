@@ -410,7 +410,7 @@ def generate_groups(rt: Runtime, cfg: Config, problems, n: int, seed: int, tempe
 
 
 def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: int, rng: random.Random):
-    """Rollouts for one step with dynamic sampling and GRPO-RoC. Returns (kept, stats, cursor):
+    """Rollouts for one step with dynamic sampling and GRPO-RoC. Returns (kept, stats, cursor, all rollouts):
     kept = [(trajectory, advantage)], the G kept rollouts of each informative group."""
     import grpo_roc
 
@@ -546,14 +546,16 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
 
 
 def heldout_accuracy(rt: Runtime, cfg: Config, problems) -> dict:
-    """pass@1 averaged over eval_samples samples per held-out problem, at the evaluation temperature."""
+    """pass@1 averaged over eval_samples samples per held-out problem, at the evaluation temperature (eval.py's
+    summary of the same numbers the benchmark command reports)."""
+    import eval as grader
+
     groups = generate_groups(rt, cfg, problems, cfg.eval_samples, seed=987_654, temperature=cfg.eval_temperature,
                              progress=False)
-    trajs = [t for g in groups for t in g]
-    calls = sum(t.tool_calls for t in trajs)
-    return {"heldout_acc": sum(t.reward for t in trajs) / len(trajs),
-            "heldout_tool_error_rate": sum(t.tool_errors for t in trajs) / calls if calls else None,
-            "heldout_response_len": sum(t.num_response_tokens for t in trajs) / len(trajs)}
+    s = grader.summarize(problems, groups, ks=())
+    return {"heldout_acc": s["pass@1"], "heldout_tool_error_rate": s["tool_error_rate"],
+            "heldout_response_len": s["response_len"], "heldout_valid_tool_call": s["valid_tool_call_share"],
+            "heldout_answer_format": s["answer_format_share"]}
 
 
 def write_samples(run_dir: Path, step: int, kept, rt: Runtime, k: int) -> None:
