@@ -162,7 +162,8 @@ def prepare_run_dir(cfg: Config, stage: str) -> Path:
     d = stage_dir(cfg, stage)
     saved = d / "config.json"
     mine = dataclasses.asdict(cfg) | {"stage": stage}
-    if saved.exists():
+    started = (d / "metrics.jsonl").exists() or (d / "checkpoints").exists()  # a config alone: nothing ran yet
+    if saved.exists() and started:
         try:
             theirs = json.loads(saved.read_text())
         except json.JSONDecodeError as e:

@@ -271,8 +271,10 @@ def test_cli_refuses_a_directory_that_holds_another_run(tmp_path, tiny_model_dir
     d = tmp_path / "run" / "stage1"
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps({"stage": "1", "seed": 99}))
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n")
     r = cli("--stage", "1", "--model", str(tiny_model_dir), "--out", str(tmp_path / "run"))
     assert r.returncode == 2 and "already holds a run" in r.stderr
     r = cli("--stage", "1", "--model", str(tiny_model_dir), "--out", str(tmp_path / "run"), "--resume")
     assert r.returncode == 2 and "holds another run" in r.stderr
     assert json.loads((d / "config.json").read_text()) == {"stage": "1", "seed": 99}  # nothing lost
+    assert json.loads((d / "metrics.jsonl").read_text()) == {"step": 1, "reward": 0.5}
