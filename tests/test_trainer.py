@@ -123,14 +123,19 @@ def make_runtime(cfg, model_dir, reward_fn=None):
     return rt
 
 
-@pytest.fixture(scope="module")
-def tool_model_dir(tmp_path_factory, tokenizer):
-    m = models.tiny_model(tokenizer, seed=3)
-    teach_one_tool_call(m, tokenizer)
-    d = tmp_path_factory.mktemp("tool-model")
+def taught_model_dir(tmp_path_factory, tokenizer, name: str, seed: int, teach) -> Path:
+    """A tiny model taught by `teach(model, tokenizer)`, saved as a Hugging Face directory the trainer can load."""
+    m = models.tiny_model(tokenizer, seed=seed)
+    teach(m, tokenizer)
+    d = tmp_path_factory.mktemp(name)
     m.save_pretrained(d)
     tokenizer.save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory, tokenizer):
+    return taught_model_dir(tmp_path_factory, tokenizer, "tool-model", 3, teach_one_tool_call)
 
 
 def run_steps(cfg, model_dir, stage_dir, start=None, reward_fn=None):
@@ -200,12 +205,7 @@ def teach_two_answers(m, tokenizer, steps=80, lr=1e-2):
 
 @pytest.fixture(scope="module")
 def coin_model_dir(tmp_path_factory, tokenizer):
-    m = models.tiny_model(tokenizer, seed=4)
-    teach_two_answers(m, tokenizer)
-    d = tmp_path_factory.mktemp("coin-model")
-    m.save_pretrained(d)
-    tokenizer.save_pretrained(d)
-    return d
+    return taught_model_dir(tmp_path_factory, tokenizer, "coin-model", 4, teach_two_answers)
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
