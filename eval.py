@@ -254,6 +254,11 @@ def _equiv_normalized(pred: str, gold: str) -> bool:
     pred_value, gold_value = plain_number(pred), plain_number(gold)
     if pred_value is not None and gold_value is not None:
         return pred_value == gold_value              # the fast path: exact, no SymPy, no process
+    if gold_value is not None:
+        # A numeric gold needs a numeric answer. math-verify evaluates expressions, so "2306 \times 9484" would
+        # "equal" 21870104: a policy could earn the reward by copying the question into \boxed{} (seen in a
+        # CPU run on "What is 2306 * 9484?"). The paper keeps integer-answer problems; the answer is the value.
+        return False
     return grade_in_worker(pred, gold)
 
 

@@ -128,6 +128,8 @@ NOT_EQUAL = [
     ("D", r"\text{(C)}"), (r"\text{west}", r"\text{east}"), ("Nevlye", r"\text{Evelyn}"), ("x=5", "x=6"),
     ("2", "2t"), ("5", "5s"),                                    # math-verify's unit stripping would read 2t as 2
     ("", "5"), ("5", ""), (r"\text{}", "5"),
+    # the question copied into the box: a numeric gold needs the value, not an expression that evaluates to it
+    (r"2306 \times 9484", "21870104"), ("2306*9484", "21870104"), ("7^{3} \bmod 10", "3"), (r"\binom{5}{2}", "10"),
 ]
 
 
