@@ -357,17 +357,35 @@ def finish_reason(tokenizer, new_ids: list[int], req: GenRequest, eos_ids: set[i
 
 
 class TransformersEngine:
-    """In-process engine on a Hugging Face causal LM: batched waves of a hand-written decode loop.
+    """In-process engine on a Hugging Face causal LM: continuous batching in a hand-written decode loop, with
+    the shared system prompt computed once.
 
-    Requests wait in a queue; when the engine is idle it takes up to max_batch of them and decodes them as one
-    left-padded batch with a KV cache (DynamicCache), sampling every row with the request's own generator.
-    A row leaves the batch the moment it stops (its future resolves then, so its tool call starts while the
-    others keep decoding); new requests join the next wave. On CPU this beats transformers' continuous
-    batching (DESIGN.md: 22 vs 76 tokens/s). Each wave re-encodes its contexts (no prefix cache across turns).
-    The decode runs in a worker thread, so the event loop keeps serving tool results meanwhile."""
+    One decode thread runs the batch. Before every decode step it admits waiting requests into free batch rows
+    (up to max_batch): their contexts are prefilled together and their KV merged into the running batch. A row
+    leaves the batch the moment it stops, and its future resolves then, so its tool call starts while the others
+    keep decoding; the tool's continuation joins the running batch a few steps later (no waves, no waiting for
+    the slowest row). Every row samples with its request's own generator, so its tokens do not depend on which
+    other requests share the batch.
+
+    Two things make it fast on a CPU, measured in bench/bench_rollout.py:
+      * the shared prefix: every prompt starts with the same ~450-token system prompt and tool schema. Its KV
+        is computed once per weight version and copied into each new row; only the rest of the context is
+        prefilled (that prefill used to cost more than all the decoding);
+      * a KV buffer that grows by doubling (growing_kv_layer), instead of transformers' DynamicCache which
+        copies the whole cache at every step.
+
+    KV layout of the batch, one column per cached token (all rows append the next token in the same column):
+
+        column:  0 .. P-1          P ......... start[b]-1   start[b] ........... L-1
+        row b:   shared prefix     padding (masked)         the row's own tokens (rest of prompt, output)
+
+    A row whose context does not start with the shared prefix masks the prefix columns too and keeps its whole
+    context in its own tokens. Positions count real tokens only, so each row sees the positions of a plain
+    forward of its own context. The decode runs in a worker thread, so the event loop keeps serving tool
+    results meanwhile."""
 
     def __init__(self, model, tokenizer, max_batch: int = 16, kv_capacity_tokens: int = 65536,
-                 device: str = "cpu"):
+                 device: str = "cpu", share_prefix: bool = True):
         import inspect
 
         self.model = model.to(device)
@@ -380,13 +398,19 @@ class TransformersEngine:
         # transformers 5 renamed forward(past_key_values=) to forward(cache=)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.prefix_ids = shared_prompt_prefix(tokenizer) if share_prefix else []
+        self._prefix_kv = None            # [(keys, values)] per layer of prefix_ids, for the current weights
         self._queue: list[tuple[GenRequest, asyncio.Future]] = []
+        self._lock = threading.Lock()     # guards _queue and _looping between the event loop and the decode thread
+        self._looping = False             # whether a decode loop is running (or about to)
+        self._in_flight: list = []        # items of the rows in the running batch (failed if the loop raises)
         self._reserved = 0
         self._held = 0
         self.worker: asyncio.Task | None = None
-        self._weights_lock = threading.Lock()  # a weight sync waits for the running wave
+        self._weights_lock = threading.Lock()  # a weight sync waits for the running decode loop
         self.tokens_generated = 0
-        self.waves = 0
+        self.waves = 0                    # admissions: prefill batches merged into the running batch
+        self.prefill_tokens = 0           # tokens prefilled (the shared prefix excluded)
 
     # -- the engine interface ------------------------------------------------------------------------------
     def free_tokens(self) -> int:
@@ -400,37 +424,50 @@ class TransformersEngine:
         fut = loop.create_future()
         self._reserved += req.need
         self._held += 1
-        self._queue.append((req, fut))
-        if self.worker is None or self.worker.done():
+        with self._lock:
+            self._queue.append((req, fut))
+            start, self._looping = not self._looping, True
+        if start:
             self.worker = loop.create_task(self._serve())
         return fut
 
     def load_weights(self, weights) -> None:
         """Copy new weights into the engine's model in place (no re-allocation). `weights` is a state dict or
-        a model; when it is the engine's own model (the CPU trainer shares it) there is nothing to do."""
+        a model; when it is the engine's own model (the CPU trainer may share it) there is nothing to copy.
+        Either way the cached KV of the shared prefix belongs to the old weights and is dropped."""
         import torch
 
-        if weights is self.model:
-            return
-        state = weights.state_dict() if hasattr(weights, "state_dict") else weights
-        state = {k.removeprefix("module."): v for k, v in state.items()}  # DDP / accelerate wrappers
-        with self._weights_lock, torch.no_grad():
-            self.model.load_state_dict(state, strict=True)  # copy_() into the existing tensors
+        with self._weights_lock:
+            self._prefix_kv = None
+            if weights is self.model:
+                return
+            state = weights.state_dict() if hasattr(weights, "state_dict") else weights
+            state = {k.removeprefix("module."): v for k, v in state.items()}  # DDP / accelerate wrappers
+            with torch.no_grad():
+                self.model.load_state_dict(state, strict=True)  # copy_() into the existing tensors
 
-    # -- waves ---------------------------------------------------------------------------------------------
+    # -- the asyncio side ----------------------------------------------------------------------------------
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
-        while self._queue:
-            wave, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
 
-            def on_finish(i: int, result: GenResult, wave=wave) -> None:  # called from the decode thread
-                loop.call_soon_threadsafe(self._finish, wave[i], result, None)
+        def take(n: int, idle: bool):  # called from the decode thread
+            with self._lock:
+                items, self._queue = self._queue[:n], self._queue[n:]
+                if not items and idle:
+                    self._looping = False  # a later submit() starts a new loop
+                    return None
+            return items
 
-            try:
-                await loop.run_in_executor(None, self.decode_wave, [req for req, _ in wave], on_finish)
-            except Exception as e:  # fail the rows that did not finish; the trajectories end with "error"
-                for item in wave:
-                    self._finish(item, None, e)
+        def on_finish(item, result: GenResult) -> None:  # called from the decode thread
+            loop.call_soon_threadsafe(self._finish, item, result, None)
+
+        try:
+            await loop.run_in_executor(None, self.decode_loop, take, on_finish)
+        except Exception as e:  # fail every request not yet answered; their trajectories end with "error"
+            with self._lock:
+                queued, self._queue, self._looping = self._queue, [], False
+            for item in self._in_flight + queued:
+                self._finish(item, None, e)
 
     def _finish(self, item, result: GenResult | None, error: BaseException | None) -> None:
         req, fut = item
@@ -444,62 +481,260 @@ class TransformersEngine:
         else:
             fut.set_exception(error)
 
+    # -- the decode thread ---------------------------------------------------------------------------------
+    def decode_wave(self, reqs: list[GenRequest], on_finish) -> None:
+        """Decode a fixed list of requests to the end (benchmarks and tests): on_finish(i, GenResult) is
+        called for request i as soon as it stops. Rows are admitted as in the running engine."""
+        pending = [(req, i) for i, req in enumerate(reqs)]
+
+        def take(n: int, idle: bool):
+            items, pending[:] = pending[:n], pending[n:]
+            return items if items or not idle else None
+
+        self.decode_loop(take, lambda item, result: on_finish(item[1], result))
+
+    def decode_loop(self, take, on_finish) -> None:
+        """The continuous-batching loop. take(n, idle) returns up to n waiting items (request first), or None
+        when there are none and the batch is idle (the loop then ends); on_finish(item, GenResult)."""
+        import torch
+
+        rows: list[_Row] = []
+        self._in_flight = []
+        cache, logits = None, None
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self._weights_lock, torch.inference_mode():
+                while True:
+                    free = self.max_batch - len(rows)
+                    # admit when a quarter of the rows are free (fewer, costlier merges) or the batch is empty
+                    if not rows or free >= max(1, self.max_batch // 4):
+                        items = take(free, not rows)
+                        if items is None:
+                            self._in_flight = []
+                            return
+                        if items:
+                            self._in_flight = [r.item for r in rows] + items
+                            new_rows, new_cache, new_logits = self._prefill(items)
+                            cache = merge_batches(cache, rows, new_cache, new_rows, len(self.prefix_ids))
+                            rows += new_rows
+                            logits = new_logits if logits is None else torch.cat([logits, new_logits])
+                    tokens, lps = sample_rows(logits, [r.req.temperature for r in rows], [r.req.top_p for r in rows],
+                                              [r.gen for r in rows])
+                    keep = []
+                    for j, row in enumerate(rows):
+                        row.new_ids.append(tokens[j])
+                        row.new_lps.append(lps[j])
+                        why = finish_reason(self.tokenizer, row.new_ids, row.req, self.eos_ids)
+                        if why is None:
+                            keep.append(j)
+                        else:
+                            on_finish(row.item, GenResult(row.new_ids, row.new_lps, why))
+                    if len(keep) < len(rows):  # drop stopped rows from the batch and its KV cache
+                        rows = [rows[j] for j in keep]
+                        self._in_flight = [r.item for r in rows]
+                        if not rows:
+                            cache, logits = None, None
+                            continue
+                        cache.batch_select_indices(torch.tensor(keep, device=self.device))
+                        cache = trim_padding(cache, rows, len(self.prefix_ids))
+                    logits = self._decode_step(rows, cache)
+        finally:
+            self.model.train(was_training)
+
     def _forward(self, input_ids, attention_mask, position_ids, cache):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[:, -1, :].float()
 
-    def decode_wave(self, reqs: list[GenRequest], on_finish) -> None:
-        """Prefill the left-padded batch, then decode one token per row per step until every row stopped.
-        on_finish(i, GenResult) is called for request i as soon as it stops."""
+    def _shared_prefix_kv(self):
+        """The KV of prefix_ids under the current weights, computed once per weight version."""
         import torch
         from transformers import DynamicCache
 
-        dev = self.device
-        longest = max(len(r.ids) for r in reqs)
-        input_ids = torch.full((len(reqs), longest), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(reqs), longest), dtype=torch.long)
-        for b, r in enumerate(reqs):
-            input_ids[b, longest - len(r.ids):] = torch.tensor(r.ids)
-            attention[b, longest - len(r.ids):] = 1
-        input_ids, attention = input_ids.to(dev), attention.to(dev)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # positions count real tokens only
-        generators = [torch.Generator(device=dev).manual_seed(r.seed) for r in reqs]
-        new_ids: list[list[int]] = [[] for _ in reqs]
-        new_lps: list[list[float]] = [[] for _ in reqs]
-        rows = list(range(len(reqs)))  # rows[j]: which request batch row j holds
-        cache = DynamicCache()
+        if self._prefix_kv is None and self.prefix_ids:
+            cache = DynamicCache()
+            ids = torch.tensor([self.prefix_ids], device=self.device)
+            self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+            self._prefix_kv = [(layer.keys, layer.values) for layer in cache.layers]
+        return self._prefix_kv
+
+    def _prefill(self, items):
+        """Prefill new requests as one batch on top of the shared prefix: returns their rows, their cache
+        (columns: prefix, left padding, own tokens) and the logits of their next token."""
+        import torch
+
+        P = len(self.prefix_ids)
+        rows = []
+        for req, *_ in items:
+            has_prefix = P > 0 and len(req.ids) > P and req.ids[:P] == self.prefix_ids
+            own = req.ids[P:] if has_prefix else req.ids
+            rows.append(_Row(items[len(rows)], req, torch.Generator(device=self.device).manual_seed(req.seed),
+                             has_prefix, own_len=len(own), next_pos=len(req.ids)))
+        width = max(r.own_len for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            own = row.req.ids[-row.own_len:]
+            ids[b, width - row.own_len:] = torch.tensor(own)
+            first = P if row.has_prefix else 0
+            pos[b, width - row.own_len:] = torch.arange(first, first + row.own_len)
+            row.start = P + width - row.own_len
+        cache = new_cache(self._shared_prefix_kv(), len(rows))
         self.waves += 1
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with self._weights_lock, torch.inference_mode():
-                logits = self._forward(input_ids, attention, positions, cache)
-                while True:
-                    tokens, lps = sample_rows(logits, [reqs[i].temperature for i in rows],
-                                              [reqs[i].top_p for i in rows], [generators[i] for i in rows])
-                    keep = []
-                    for j, i in enumerate(rows):
-                        new_ids[i].append(tokens[j])
-                        new_lps[i].append(lps[j])
-                        why = finish_reason(self.tokenizer, new_ids[i], reqs[i], self.eos_ids)
-                        if why is None:
-                            keep.append(j)
-                        else:
-                            on_finish(i, GenResult(new_ids[i], new_lps[i], why))
-                    if not keep:
-                        return
-                    if len(keep) < len(rows):  # drop stopped rows from the batch and its KV cache
-                        index = torch.tensor(keep, device=dev)
-                        cache.batch_select_indices(index)
-                        attention, positions = attention[index], positions[index]
-                        rows = [rows[j] for j in keep]
-                    step_ids = torch.tensor([[new_ids[i][-1]] for i in rows], device=dev)
-                    attention = torch.cat([attention, attention.new_ones((len(rows), 1))], dim=1)
-                    positions = positions[:, -1:] + 1
-                    logits = self._forward(step_ids, attention, positions, cache)
-        finally:
-            self.model.train(was_training)
+        self.prefill_tokens += sum(r.own_len for r in rows)
+        logits = self._forward(ids.to(self.device), attention_mask(rows, P + width, P, self.device),
+                               pos.to(self.device), cache)
+        return rows, cache, logits
+
+    def _decode_step(self, rows, cache):
+        import torch
+
+        dev = self.device
+        step_ids = torch.tensor([[r.new_ids[-1]] for r in rows], device=dev)
+        positions = torch.tensor([[r.next_pos + len(r.new_ids) - 1] for r in rows], device=dev)
+        width = cache.get_seq_length() + 1
+        return self._forward(step_ids, attention_mask(rows, width, len(self.prefix_ids), dev), positions, cache)
+
+
+@dataclass
+class _Row:
+    """One request in TransformersEngine's running batch."""
+    item: tuple                  # what on_finish gets back: (request, future) or (request, index)
+    req: GenRequest
+    gen: object                  # the request's torch.Generator
+    has_prefix: bool             # whether its context starts with the engine's shared prefix
+    own_len: int                 # context tokens in its own columns (all of them when it has no prefix)
+    next_pos: int                # position of its first new token (= its context length)
+    start: int = 0               # first column of its own tokens
+    new_ids: list = field(default_factory=list)
+    new_lps: list = field(default_factory=list)
+
+
+def shared_prompt_prefix(tokenizer) -> list[int]:
+    """The token ids every rendered prompt starts with (system prompt, tool schema, the user turn's opening
+    instructions): the common prefix of renders that differ only in the question. Questions that start with a
+    digit, a word, a space or a symbol, because the last token before the question can merge with its first
+    character (": 1" is ":", " ", "1" but ": What" is ":", " What")."""
+    renders = [render_prompt(tokenizer, q) for q in ("1", "2", "What", "x", " y", "(", "\\", "A", "é")]
+    n = 0
+    while all(n < len(r) and r[n] == renders[0][n] for r in renders):
+        n += 1
+    return renders[0][:n]
+
+
+def attention_mask(rows, width: int, P: int, device):
+    """The 2D mask of the batch layout (see TransformersEngine): prefix columns for rows that have the prefix,
+    then every column from the row's own start on."""
+    import torch
+
+    col = torch.arange(width, device=device)[None, :]
+    has_prefix = torch.tensor([r.has_prefix for r in rows], device=device)[:, None]
+    start = torch.tensor([r.start for r in rows], device=device)[:, None]
+    return (((col < P) & has_prefix) | (col >= start)).long()
+
+
+def growing_kv_layer():
+    """A transformers cache layer whose keys and values live in a buffer that doubles when full, so appending a
+    token costs one column, not a copy of the whole cache (DynamicLayer concatenates at every step, which at 32
+    rows of 700 tokens moves ~1 GB per step). Built on first use, so importing this module needs no torch."""
+    global _GrowingKVLayer
+    if _GrowingKVLayer is None:
+        from transformers.cache_utils import DynamicLayer
+
+        class GrowingKVLayer(DynamicLayer):
+            def update(self, key_states, value_states, *args, **kwargs):
+                if not self.is_initialized:
+                    self.lazy_initialization(key_states, value_states)
+                    self.set(key_states[:, :, :0], value_states[:, :, :0])
+                n, add = self.keys.shape[-2], key_states.shape[-2]
+                if n + add > self.k_buf.shape[-2]:
+                    self.set(self.keys, self.values, room=max(n + add, 64))
+                self.k_buf[:, :, n:n + add] = key_states
+                self.v_buf[:, :, n:n + add] = value_states
+                self.keys, self.values = self.k_buf[:, :, :n + add], self.v_buf[:, :, :n + add]
+                return self.keys, self.values
+
+            def set(self, keys, values, room: int = 64):
+                """Hold these keys and values, with room for `room` more columns."""
+                import torch
+
+                b, h, n, d = keys.shape
+                self.k_buf = keys.new_empty((b, h, n + room, d))
+                self.v_buf = torch.empty_like(self.k_buf)
+                self.k_buf[:, :, :n], self.v_buf[:, :, :n] = keys, values
+                self.keys, self.values = self.k_buf[:, :, :n], self.v_buf[:, :, :n]
+                self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
+
+            def batch_select_indices(self, indices):
+                self.set(self.keys[indices], self.values[indices])
+
+        _GrowingKVLayer = GrowingKVLayer
+    return _GrowingKVLayer
+
+
+_GrowingKVLayer = None
+
+
+def new_cache(layers_kv, batch: int | None = None):
+    """A transformers cache of growing layers; layers_kv: [(keys, values)] per layer (expanded to `batch` rows
+    when given) or None for an empty cache."""
+    from transformers import DynamicCache
+
+    layer_class = growing_kv_layer()
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = layer_class
+    for keys, values in layers_kv or []:
+        layer = layer_class()
+        if batch is not None:
+            keys, values = keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1)
+        layer.set(keys, values)
+        cache.layers.append(layer)
+    return cache
+
+
+def insert_columns(x, at: int, n: int):
+    """x [batch, heads, columns, dim] with n masked (zero) columns inserted before column `at`."""
+    import torch
+
+    if n == 0:
+        return x
+    pad = x.new_zeros(x.shape[:2] + (n,) + x.shape[3:])
+    return torch.cat([x[:, :, :at], pad, x[:, :, at:]], dim=2)
+
+
+def merge_batches(cache, rows, new, new_rows, P: int):
+    """Stack the newcomers' cache under the running batch's, padding the shorter one after the prefix so both
+    end in the same column (every row appends its next token there)."""
+    if cache is None:
+        return new
+    width, new_width = cache.get_seq_length(), new.get_seq_length()
+    target = max(width, new_width)
+    for r in rows:
+        r.start += target - width
+    for r in new_rows:
+        r.start += target - new_width
+    import torch
+
+    merged = []
+    for old_layer, new_layer in zip(cache.layers, new.layers):
+        merged.append(tuple(torch.cat([insert_columns(a, P, target - width), insert_columns(b, P, target - new_width)])
+                            for a, b in ((old_layer.keys, new_layer.keys), (old_layer.values, new_layer.values))))
+    return new_cache(merged)
+
+
+def trim_padding(cache, rows, P: int, slack: int = 64):
+    """Drop the padding columns that every remaining row masks (left by rows that left the batch), once there
+    are at least `slack` of them: attention then runs over fewer columns."""
+    waste = min(r.start for r in rows) - P
+    if waste < slack:
+        return cache
+    import torch
+
+    for r in rows:
+        r.start -= waste
+    return new_cache([tuple(torch.cat([x[:, :, :P], x[:, :, P + waste:]], dim=2) for x in (layer.keys, layer.values))
+                      for layer in cache.layers])
 
 
 class SimulatedEngine:

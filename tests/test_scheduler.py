@@ -264,6 +264,24 @@ def test_engine_samples_do_not_depend_on_the_wave(tokenizer, tiny):
     assert len({tuple(r.token_ids) for r in together}) == 5  # different seeds, different samples
 
 
+def test_continuous_batching_gives_each_request_what_it_gets_alone(tokenizer, tiny):
+    """Two rows at a time over seven requests of very different lengths: rows join the running batch as others
+    stop (their KV merged, padding inserted on either side, unused columns trimmed), one request does not start
+    with the shared system prompt. Each request's tokens and log-probs are those it gets decoded alone."""
+    engine = S.TransformersEngine(tiny, tokenizer, max_batch=2)
+    assert len(engine.prefix_ids) > 300
+    prompts = [S.render_prompt(tokenizer, f"question {i} " + "pad " * (40 * (i % 4))) for i in range(6)]
+    prompts.append(S.encode(tokenizer, "<|im_start|>user\nNo system prompt here.<|im_end|>\n<|im_start|>assistant\n"))
+    reqs = [S.GenRequest(p, 8 + 30 * (i % 3), temperature=1.0, seed=S.request_seed(1, i, 0, 0), stop_text="@@")
+            for i, p in enumerate(prompts)]
+    together = wave(engine, reqs)
+    assert engine.waves > 3  # rows were admitted into a running batch, not all at once
+    for req, got in zip(reqs, together):
+        alone = wave(S.TransformersEngine(tiny, tokenizer, max_batch=1, share_prefix=False), [req])[0]
+        assert got.token_ids == alone.token_ids and got.finish == alone.finish
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-4)
+
+
 def test_engine_load_weights_in_place(tokenizer, tiny):
     engine = S.TransformersEngine(models.tiny_model(tokenizer, seed=0), tokenizer)
     pointers = [p.data_ptr() for p in engine.model.parameters()]
@@ -288,6 +306,8 @@ def test_engine_stops_at_tool_call_and_runs_concurrent_requests(tokenizer, tiny)
     class Steer(torch.nn.Module):  # logits favour the next token of "</tool_call>" after the prompt
         def forward(self, input_ids=None, **kw):
             out = m.__class__.forward(m, input_ids=input_ids, **kw)
+            if kw.get("attention_mask") is None:  # the engine computing its shared prompt prefix: no token
+                return out
             out.logits[..., target[min(Steer.step, len(target) - 1)]] += 100.0
             Steer.step += 1
             return out
