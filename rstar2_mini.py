@@ -63,8 +63,9 @@ class Config:
     temperature: float = 1.0          # rollout temperature (paper: 1.0 for training, 0.6 for evaluation)
     top_p: float = 1.0
     tool_timeout_s: float = 10.0
-    engine_batch: int = 16            # CPU engine: sequences decoded together in one wave
+    engine_batch: int = 32            # CPU engine: rows in the running batch (continuous batching)
     engine: str = "auto"              # auto (vLLM on GPU when installed) | vllm | transformers
+    chunk_tokens: int = 0             # KV reserved per request: at most this many new tokens (0: the whole budget)
     # GRPO-RoC (paper section 2.2.3)
     roc_mode: str = "roc"             # roc (paper) | topk (released code) | none ("GRPO with tool" ablation)
     drop_all_equal: bool = True       # drop groups whose rewards are all equal (zero advantage)
@@ -89,7 +90,7 @@ class Config:
     # SFT (sft.py), run first when the run has no SFT checkpoint
     sft_examples: int = 240
     sft_epochs: int = 1
-    sft_lr: float = 5e-5
+    sft_lr: float = 2e-4
     sft_batch: int = 8
     deterministic: bool = False       # barrier-synchronised rollouts: bit-identical reruns, less overlap
 
@@ -97,12 +98,12 @@ class Config:
 PRESETS = {
     # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 take ~30 minutes.
     "cpu": dict(steps=10, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=768,
-                lr=1e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=2048, eval_problems=24,
+                lr=2e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=2048, eval_problems=24,
                 eval_samples=2, hard_scan=32, sft_examples=192, levels=(1,)),
     # One 8-GPU node: the paper's numbers (Table/section 4); lengths per stage come from STAGES below.
     "paper": dict(steps=300, groups_per_step=512, group_size=16, oversample=2, max_turns=10,
                   max_response_tokens=8192, lr=1e-6, warmup_steps=20, minibatches=1, micro_batch_tokens=32768,
-                  eval_problems=256, eval_samples=16, hard_scan=42000, engine_batch=256,
+                  eval_problems=256, eval_samples=16, hard_scan=42000, engine_batch=256, chunk_tokens=1024,
                   sft_examples=222000, sft_epochs=3, sft_lr=5e-6, sft_batch=64, levels=(1, 2, 3)),
 }
 
@@ -391,7 +392,7 @@ def rollout_config(cfg: Config, temperature: float | None = None, max_turns: int
     return scheduler.RolloutConfig(max_turns=max_turns or cfg.max_turns, max_response_tokens=cfg.max_response_tokens,
                                    temperature=temperature if temperature is not None else cfg.temperature,
                                    top_p=cfg.top_p, tool_timeout_s=cfg.tool_timeout_s,
-                                   deterministic=cfg.deterministic)
+                                   deterministic=cfg.deterministic, chunk_tokens=cfg.chunk_tokens)
 
 
 def generate_groups(rt: Runtime, cfg: Config, problems, n: int, seed: int, temperature=None, max_turns=None,

@@ -257,6 +257,15 @@ class RolloutConfig:
     # A continuation after a tool call stays on the engine that holds its prefix (its KV cache can be reused)
     # unless that engine has less free capacity than the best one by more than this fraction of its capacity.
     prefix_affinity: float = 0.25
+    # Reserve KV for at most this many new tokens per request (0: the turn's whole remaining budget). A turn
+    # that needs more continues in a new request, preferably on the same engine, where its prefix is cached.
+    # Smaller reservations let an engine run more sequences at once without ever overflowing (the reservation
+    # still covers everything a request can write); the price is one more admission per chunk. Worth it where
+    # the engine keeps a prefix cache (vLLM); on the CPU engine a continuation re-reads its context.
+    chunk_tokens: int = 0
+    # At most this many requests held per engine (0: no cap). Past its saturation point an engine's throughput
+    # stays flat while each sequence slows down, so extra sequences only stretch the longest trajectories.
+    max_requests_per_engine: int = 0
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -289,6 +298,7 @@ class GenRequest:
     seed: int = 0                # this request's own sampling seed, see request_seed()
     key: tuple = ()              # (problem index, sample index, turn)
     stop_text: str = TOOL_CALL_CLOSE
+    turn_offset: int = 0         # tokens of this turn written by earlier requests (a turn split into chunks)
 
     @property
     def need(self) -> int:
@@ -303,10 +313,11 @@ class GenResult:
     finish: str                  # "eos" (end of turn) | "tool" (stopped at </tool_call>) | "length"
 
 
-def request_seed(seed: int, problem_index: int, sample_index: int, turn: int) -> int:
+def request_seed(seed: int, problem_index: int, sample_index: int, turn: int, chunk: int = 0) -> int:
     """A sampling seed for one request, so that its tokens do not depend on which other requests share its
     batch, and a resumed run samples exactly what the original run did."""
-    digest = hashlib.sha256(f"{seed}:{problem_index}:{sample_index}:{turn}".encode()).digest()
+    text = f"{seed}:{problem_index}:{sample_index}:{turn}" + (f":{chunk}" if chunk else "")
+    digest = hashlib.sha256(text.encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1  # 63 bits: torch.Generator.manual_seed takes it
 
 
@@ -783,6 +794,7 @@ class SimulatedEngine:
     def submit(self, req: GenRequest) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         tokens, why = self.script(req)
+        tokens = tokens[req.turn_offset:]  # the rest of the turn, when earlier chunks wrote its beginning
         if len(tokens) >= req.max_new_tokens:
             tokens, why = tokens[:req.max_new_tokens], "length"
         seq = {"req": req, "fut": loop.create_future(), "plan": tokens, "why": why, "done": 0, "cached": 0}
@@ -885,7 +897,9 @@ class Scheduler:
         used (bench/bench_scheduler.py), and admitting by expected use would pack more sequences and shorten
         the step's tail, but brings back preemption (recompute) whenever the guess is wrong."""
         free = [e.free_tokens() for e in self.engines]
-        fits = [i for i in range(len(self.engines)) if req.need <= free[i]]
+        cap = self.cfg.max_requests_per_engine
+        fits = [i for i in range(len(self.engines))
+                if req.need <= free[i] and (cap <= 0 or self.engines[i].num_requests() < cap)]
         if not fits:
             return None
         best = max(fits, key=lambda i: (free[i], -i))
@@ -908,8 +922,8 @@ class Scheduler:
         elif self.cfg.routing == "kv":
             if self.cfg.deterministic:
                 priority = (problem, sample)
-            else:
-                priority = (0 if turn > 0 else 1, self._order)
+            else:  # continuations (after a tool call, or the next chunk of a turn) first
+                priority = (0 if turn > 0 or req.turn_offset > 0 else 1, self._order)
             self._order += 1
             heapq.heappush(self.waiting, (priority, self._order, req, previous, out))
             self.busy -= 1
@@ -962,6 +976,33 @@ async def run_tool(pool, call: ToolCall, cfg: RolloutConfig) -> tuple[str, str]:
     return format_tool_response(result), result.status
 
 
+async def generate_turn(sched: Scheduler, tokenizer, cfg: RolloutConfig, context: list[int], budget: int,
+                        engine: int | None, seed: int, problem_index: int, sample_index: int,
+                        turn: int) -> tuple[GenResult, int]:
+    """One assistant turn: a single request, or with cfg.chunk_tokens a chain of requests of at most that many
+    new tokens each, the next one continuing where the last stopped for length. Returns the whole turn."""
+    ids, lps, chunk = [], [], 0
+    while True:
+        left = budget - len(ids)
+        req = GenRequest(context + ids, min(left, cfg.chunk_tokens) if cfg.chunk_tokens > 0 else left,
+                         cfg.temperature, cfg.top_p, request_seed(seed, problem_index, sample_index, turn, chunk),
+                         (problem_index, sample_index, turn), turn_offset=len(ids))
+        result, engine = await sched.generate(req, engine)
+        ids += result.token_ids
+        lps += result.logprobs
+        if result.finish != "length" or len(ids) >= budget:
+            break
+        chunk += 1
+    if result.finish != "tool" and TOOL_CALL_CLOSE in tokenizer.decode(ids, skip_special_tokens=False):
+        # "</tool_call>" split across two requests is seen by neither (and a simulated engine does not look):
+        # cut the turn where it completed, exactly where an engine that saw the whole turn would have stopped
+        for k in range(1, len(ids) + 1):
+            if TOOL_CALL_CLOSE in tokenizer.decode(ids[max(0, k - len(TOOL_CALL_CLOSE)):k], skip_special_tokens=False,
+                                                   clean_up_tokenization_spaces=False):
+                return GenResult(ids[:k], lps[:k], "tool"), engine
+    return GenResult(ids, lps, result.finish), engine
+
+
 async def rollout_one(sched: Scheduler, pool, tokenizer, cfg: RolloutConfig, seed: int, problem_index: int,
                       sample_index: int, problem_id: str, prompt_ids: list[int]) -> Trajectory:
     """One multi-turn trajectory: generate, run the tool call, insert its result, ... until the end of turn,
@@ -976,10 +1017,8 @@ async def rollout_one(sched: Scheduler, pool, tokenizer, cfg: RolloutConfig, see
             if budget <= 0:
                 traj.finish_reason = "length"
                 break
-            req = GenRequest(list(context), budget, cfg.temperature, cfg.top_p,
-                             request_seed(seed, problem_index, sample_index, turn),
-                             (problem_index, sample_index, turn))
-            result, engine = await sched.generate(req, engine)
+            result, engine = await generate_turn(sched, tokenizer, cfg, context, budget, engine,
+                                                 seed, problem_index, sample_index, turn)
             traj.turns += 1
             traj.engines.append(engine)
             traj.segments.append(Segment(list(result.token_ids), 1, list(result.logprobs)))  # eos kept

@@ -58,12 +58,13 @@ from scheduler import (IM_END, IM_START, TOOL_NAME, Segment, Trajectory, encode,
 @dataclass
 class SFTConfig:
     n_examples: int = 240            # generated examples (paper: 165K function-call + 30K instruction + 27K chat)
-    direct_share: float = 0.2        # share answered without the tool (instruction following / answer format)
+    direct_share: float = 0.1        # share answered without the tool (instruction following / answer format)
     verify_share: float = 0.15       # tool examples that run a second, different program to check the first
     fix_share: float = 0.1           # tool examples whose first program fails (real traceback), then is fixed
     data_jsonl: str | None = None    # extra chat examples {"messages": [...]} (real function-calling sets on GPU)
     epochs: int = 1                  # paper: 3 (over 222K examples); one pass over a small varied set here
-    lr: float = 5e-5                 # paper: 5e-6 for a 14B model; a 135M model needs a larger step
+    lr: float = 2e-4                 # paper: 5e-6 for a 14B model; a 135M model needs a larger step (5e-5:
+                                     # 6% valid tool calls after the CPU preset, 2e-4: 26% -> see README)
     min_lr_ratio: float = 0.1        # cosine decay to lr * min_lr_ratio (paper: not stated)
     warmup_steps: int = 3            # linear warm-up, optimizer steps
     weight_decay: float = 0.0
@@ -436,7 +437,69 @@ def percent(rng):
                                                     f"old, new = {x}, {y}\nchange = (new - old) / old * 100\nprint(round(change, 1))"])
 
 
-CHORES = [reverse_string, count_vowels, count_letter, sort_words, sort_numbers, longest_word, word_count, dedupe,
+def packing(rng):
+    """Everyday integer arithmetic: full boxes (//) and what is left over (%)."""
+    n, k = rng.randint(100, 9999), rng.randint(3, 48)
+    thing, box = rng.choice([("eggs", "cartons"), ("books", "shelves"), ("apples", "crates"), ("cards", "decks"),
+                             ("bottles", "cases"), ("chairs", "rows")])
+    if rng.random() < 0.5:
+        return Chore("count the full groups", pick(rng, "{n} {thing} are packed {k} per {one}. How many {box} are "
+                                                   "completely filled?", "How many full {box} of {k} can be made "
+                                                   "from {n} {thing}?", n=n, k=k, thing=thing, box=box,
+                                                   one=box[:-1]),
+                     str(n // k), [f"print({n} // {k})", f"total = {n}\nper_box = {k}\nprint(total // per_box)",
+                                   f"full, left = divmod({n}, {k})\nprint(full)"])
+    return Chore("find what is left over", pick(rng, "{n} {thing} are packed {k} per {one}. How many {thing} are "
+                                                "left over?", "What remains when {n} {thing} are split into groups "
+                                                "of {k}?", n=n, k=k, thing=thing, one=box[:-1]),
+                 str(n % k), [f"print({n} % {k})", f"total = {n}\nper_box = {k}\nprint(total % per_box)",
+                              f"full, left = divmod({n}, {k})\nprint(left)"])
+
+
+def shopping(rng):
+    """A word problem turned into one expression: price times quantity plus a fee, or a change."""
+    q, price, fee = rng.randint(3, 97), rng.randint(4, 250), rng.randint(5, 60)
+    item = rng.choice(["notebooks", "tickets", "lamps", "shirts", "tiles", "cables", "plants"])
+    if rng.random() < 0.5:
+        return Chore("add up the cost", pick(rng, "{q} {item} cost {price} dollars each and shipping is {fee} "
+                                             "dollars. What is the total in dollars?", "What do {q} {item} at "
+                                             "{price} dollars apiece cost, plus a {fee} dollar fee?", q=q, item=item,
+                                             price=price, fee=fee),
+                     str(q * price + fee), [f"print({q} * {price} + {fee})",
+                                            f"quantity = {q}\nprice = {price}\nfee = {fee}\nprint(quantity * price + fee)"])
+    paid = (q * price // 100 + 1) * 100
+    return Chore("compute the change", pick(rng, "I buy {q} {item} at {price} dollars each and pay with {paid} "
+                                            "dollars. How much change do I get?", "Paying {paid} dollars for {q} "
+                                            "{item} costing {price} each, what is the change?", q=q, item=item,
+                                            price=price, paid=paid),
+                 str(paid - q * price), [f"print({paid} - {q} * {price})",
+                                         f"cost = {q} * {price}\nprint({paid} - cost)"])
+
+
+def growth(rng):
+    """Repeated doubling or tripling: a power written as a program."""
+    start, years, factor = rng.randint(2, 90), rng.randint(5, 30), rng.choice([2, 3])
+    word = {2: "doubles", 3: "triples"}[factor]
+    return Chore("repeat the growth", pick(rng, "A colony of {start} cells {word} every hour. How many cells are "
+                                           "there after {years} hours?", "Starting from {start}, a number {word} "
+                                           "{years} times. What is the result?", start=start, word=word, years=years),
+                 str(start * factor ** years),
+                 [f"print({start} * {factor} ** {years})",
+                  f"cells = {start}\nfor hour in range({years}):\n    cells *= {factor}\nprint(cells)",
+                  f"print({start} * pow({factor}, {years}))"])
+
+
+def square_side(rng):
+    """An exact integer square root, math.isqrt."""
+    side = rng.randint(12, 3000)
+    return Chore("take the square root", pick(rng, "A square floor has an area of {a} square meters. How long is "
+                                              "one side in meters?", "What is the side length of a square of area "
+                                              "{a}?", a=side * side),
+                 str(side), [f"import math\nprint(math.isqrt({side * side}))", f"print(int({side * side} ** 0.5))",
+                             f"import math\narea = {side * side}\nprint(math.isqrt(area))"])
+
+
+CHORES = [packing, shopping, growth, square_side, reverse_string, count_vowels, count_letter, sort_words, sort_numbers, longest_word, word_count, dedupe,
           palindrome, days_between, weekday, add_days, convert_units, temperature, seconds_to_clock, table_top,
           table_total, most_common_letter, acronym, case_change, caesar, list_stat, extract_digits, replace_word,
           evaluate_expression, percent]

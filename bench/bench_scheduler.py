@@ -66,6 +66,9 @@ parser.add_argument("--prefill-speedup", type=float, default=10.0, help="prefill
 parser.add_argument("--mean-turn-tokens", type=float, default=350.0, help="median tokens of a turn, average problem")
 parser.add_argument("--mean-tool-s", type=float, default=0.3, help="median tool latency, seconds (paper: 0.3 s mean)")
 parser.add_argument("--tool-timeout-s", type=float, default=10.0)
+parser.add_argument("--chunk-tokens", type=int, default=0,
+                    help="ours: reserve KV for at most this many new tokens per request (0: the whole budget)")
+parser.add_argument("--max-requests", type=int, default=0, help="ours: requests held per engine at most (0: no cap)")
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 
@@ -130,7 +133,9 @@ def run(routing: str) -> dict:
     engines = [scheduler.SimulatedEngine(script, args.kv_capacity, args.tokens_per_s, args.saturation,
                                          args.prefill_speedup) for _ in range(args.engines)]
     cfg = scheduler.RolloutConfig(max_turns=args.max_turns, max_response_tokens=args.max_response_tokens,
-                                  tool_timeout_s=args.tool_timeout_s, routing=routing)
+                                  tool_timeout_s=args.tool_timeout_s, routing=routing,
+                                  chunk_tokens=args.chunk_tokens if routing == "kv" else 0,
+                                  max_requests_per_engine=args.max_requests if routing == "kv" else 0)
     problems = [(f"p{i}", f"Problem number {i}: what is {i} + 7?") for i in range(args.problems)]
     started = time.time()
     groups = scheduler.run_rollouts(engines, SimulatedTools(), tokenizer, problems, args.samples, cfg,

@@ -90,6 +90,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--engine-batch", type=int, default=16)
     ap.add_argument("--n-examples", type=int, default=sft.SFTConfig.n_examples)
+    ap.add_argument("--lr", type=float, default=sft.SFTConfig.lr)
+    ap.add_argument("--epochs", type=int, default=sft.SFTConfig.epochs)
+    ap.add_argument("--batch-size", type=int, default=sft.SFTConfig.batch_size)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -112,7 +115,8 @@ def main() -> None:
             report["sft"] = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
         else:
             policy = models.load_model(base)
-            cfg = sft.SFTConfig(n_examples=args.n_examples, seed=args.seed)
+            cfg = sft.SFTConfig(n_examples=args.n_examples, seed=args.seed, lr=args.lr, epochs=args.epochs,
+                                batch_size=args.batch_size)
             report["sft"] = sft.run_sft(policy, tokenizer, cfg, Path(args.out), pool)
             policy = models.load_model(args.out)   # a fresh copy: the trainer's memory goes back to the allocator
         report["sft"] = {k: v for k, v in report["sft"].items() if k not in ("losses", "config")}

@@ -206,6 +206,41 @@ def test_scheduler_is_deterministic_given_seed_and_engine_outputs(tokenizer):
     assert [[t.problem_id for t in g] for g in runs[0]] == [[p] * 3 for p, _ in problems]
 
 
+def test_chunked_turns_give_the_same_trajectories_with_smaller_reservations(tokenizer):
+    """chunk_tokens splits a turn into requests of at most that many new tokens: every request reserves less,
+    and the trajectories are the very same tokens (the simulated model writes the same turns), including a
+    "</tool_call>" that is split across two requests, or followed by more text in the same request: the turn
+    is cut where it completed, as an engine that saw the whole turn would have stopped."""
+    filler = " the" * 37
+    turns = lambda p, s: [filler + call_text(f"print({p}{s})") + " trailing words", filler + "<answer>\\boxed{1}</answer>"]
+
+    def script(req):  # the turn's text as a whole; SimulatedEngine does not stop at </tool_call> itself
+        ids = S.encode(tokenizer, turns(*req.key[:2])[min(req.key[2], 1)])
+        return ids + [tokenizer.eos_token_id], "eos"
+
+    problems = [(f"p{i}", f"question {i}") for i in range(3)]
+    runs = {}
+    for chunk in (0, 7, 16):
+        class Recorder(S.SimulatedEngine):
+            asked = []
+
+            def submit(self, req):
+                Recorder.asked.append(req.max_new_tokens)
+                return super().submit(req)
+        loop = S.virtual_time_loop()
+        engines = [Recorder(script, 20000, tokens_per_s=1000, saturation=4) for _ in range(2)]
+        cfg = S.RolloutConfig(max_response_tokens=400, chunk_tokens=chunk)
+        groups = S.run_rollouts(engines, EchoTools(), tokenizer, problems, 2, cfg, seed=0, progress=False, loop=loop)
+        loop.close()
+        runs[chunk] = [t for g in groups for t in g]
+        assert all(t.tool_calls == 1 and t.finish_reason == "answer" for t in runs[chunk])
+        assert max(Recorder.asked) == (chunk or 400) and len(Recorder.asked) > (20 if chunk else 0)
+    for chunk in (7, 16):
+        assert [t.input_ids for t in runs[chunk]] == [t.input_ids for t in runs[0]]
+    first_turn = tokenizer.decode(runs[7][0].segments[0].ids)
+    assert first_turn.endswith(S.TOOL_CALL_CLOSE) and "trailing" not in first_turn
+
+
 def test_routers_compared_on_one_step(tokenizer):
     """The baselines overfill a small KV cache (preemptions); ours never does, and all produce the same data."""
     problems = [(f"p{i}", f"question {i}") for i in range(8)]
