@@ -137,6 +137,25 @@ def load_model(path: str | Path, dtype=None, device: str = "cpu"):
     return model.to(device)
 
 
+def release_freed_memory() -> None:
+    """Give memory freed by the process back to the system (glibc malloc_trim; a no-op elsewhere).
+
+    The CPU engine allocates and frees many KV buffers of 1-30 MB from its decode thread, and the trainer large
+    logits tensors from the main thread. glibc keeps freed blocks of that size in each thread's heap, where
+    they fragment: a training run's resident size crept from 13 to 15 GB over 6 steps. Called after every
+    merge of the engine's batch and after every rollout phase and update; it takes milliseconds (measured:
+    a rollout round's peak 4.1 -> 3.9 GB and the resident size after it 3.0 -> 1.4 GB, same speed)."""
+    import ctypes
+    import ctypes.util
+
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+        pass
+
+
 def tiny_model(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2):
     """A randomly initialised Llama of SmolLM2's shape but tiny, with the real tokenizer's vocabulary (tests)."""
     import torch

@@ -58,6 +58,7 @@ class Config:
     group_size: int = 4               # G, rollouts kept per problem after RoC (paper: 16)
     oversample: int = 2               # 2G rollouts are sampled (paper: 32 -> 16)
     max_draw_rounds: int = 2          # dynamic sampling: at most this many rounds of drawing problems a step
+    draw_problems: int = 0            # problems drawn per round at least (0: just the groups still missing)
     max_turns: int = 10               # paper: 10 (stages 1-2), 15 (stage 3), 30 (evaluation)
     max_response_tokens: int = 8192   # paper: 8K (stage 1), 12K (stages 2-3); tool tokens count toward it
     temperature: float = 1.0          # rollout temperature (paper: 1.0 for training, 0.6 for evaluation)
@@ -97,9 +98,10 @@ class Config:
 
 PRESETS = {
     # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 take ~30 minutes.
-    "cpu": dict(steps=10, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=768,
-                lr=2e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=2048, eval_problems=24,
-                eval_samples=2, hard_scan=32, sft_examples=192, levels=(1,)),
+    # Measured: SFT ~9 min; one round of 8 problems x 8 rollouts ~2 min; an update ~20 s.
+    "cpu": dict(steps=6, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=512,
+                draw_problems=8, max_draw_rounds=1, lr=2e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=2048,
+                eval_problems=16, eval_samples=2, hard_scan=32, sft_examples=192, levels=(1,)),
     # One 8-GPU node: the paper's numbers (Table/section 4); lengths per stage come from STAGES below.
     "paper": dict(steps=300, groups_per_step=512, group_size=16, oversample=2, max_turns=10,
                   max_response_tokens=8192, lr=1e-6, warmup_steps=20, minibatches=1, micro_batch_tokens=32768,
@@ -111,9 +113,9 @@ PRESETS = {
 STAGES = {
     "1": dict(paper=dict(max_response_tokens=8192, max_turns=10, steps=300), cpu=dict()),
     "2": dict(paper=dict(max_response_tokens=12288, max_turns=10, steps=85),
-              cpu=dict(max_response_tokens=1152, steps=6)),
+              cpu=dict(max_response_tokens=768, steps=4)),
     "3": dict(paper=dict(max_response_tokens=12288, max_turns=15, steps=125),
-              cpu=dict(max_response_tokens=1152, max_turns=6, steps=6, levels=(2, 3))),
+              cpu=dict(max_response_tokens=768, max_turns=6, steps=4, levels=(2, 3))),
 }
 
 
@@ -422,6 +424,7 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         need = cfg.groups_per_step - len(informative)
         if need <= 0:
             break
+        need = max(need, cfg.draw_problems)  # a round may find more informative groups than needed: all are used
         problems = [problem_at(cursor + i) for i in range(need)]
         cursor += need
         drawn += need
@@ -556,6 +559,7 @@ def heldout_accuracy(rt: Runtime, cfg: Config, problems) -> dict:
                              progress=False)
     s = grader.summarize(problems, groups, ks=())
     return {"heldout_acc": s["pass@1"], "heldout_tool_error_rate": s["tool_error_rate"],
+            "heldout_tool_error_rate_correct": s["tool_error_rate_correct"],
             "heldout_response_len": s["response_len"], "heldout_valid_tool_call": s["valid_tool_call_share"],
             "heldout_answer_format": s["answer_format_share"]}
 
@@ -589,6 +593,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     """The RL loop of one stage. `start` is the trainer state of a checkpoint to continue from (resume), or None."""
     from tqdm.auto import tqdm
 
+    import model as models
     import scheduler
 
     optimizer, schedule = make_optimizer(rt.model, cfg)
@@ -630,11 +635,13 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     while step < cfg.steps:
         t0 = time.time()
         kept, stats, cursor, all_trajs = select_step_batch(rt, cfg, problem_at, cursor, step, rng)
+        models.release_freed_memory()
         t_roll = time.time() - t0
         update = {"loss": None, "clip_frac": None, "grad_norm": None, "train_tokens": 0}
         if any(abs(a) > 0 for _, a in kept):
             update = policy_update(rt, cfg, optimizer, schedule, kept, rng, loss_sign)
             scheduler.sync_weights(rt.engines, unwrapped(rt))  # weight sync: the next rollouts sample the new policy
+            models.release_freed_memory()
         step += 1
         dt = time.time() - t0
         gen_tokens = sum(t.num_model_tokens for t in all_trajs)

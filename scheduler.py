@@ -48,6 +48,8 @@ import re
 import threading
 from dataclasses import dataclass, field, replace
 
+from model import release_freed_memory
+
 # ----------------------------------------------------------------------------------------------------------
 # The prompt (paper Figure 3) and the tool schema
 
@@ -382,8 +384,8 @@ class TransformersEngine:
       * the shared prefix: every prompt starts with the same ~450-token system prompt and tool schema. Its KV
         is computed once per weight version and copied into each new row; only the rest of the context is
         prefilled (that prefill used to cost more than all the decoding);
-      * a KV buffer that grows by doubling (growing_kv_layer), instead of transformers' DynamicCache which
-        copies the whole cache at every step.
+      * a KV buffer with room to grow (growing_kv_layer), instead of transformers' DynamicCache which copies
+        the whole cache at every step.
 
     KV layout of the batch, one column per cached token (all rows append the next token in the same column):
 
@@ -528,6 +530,7 @@ class TransformersEngine:
                             self._in_flight = [r.item for r in rows] + items
                             new_rows, new_cache, new_logits = self._prefill(items)
                             cache = merge_batches(cache, rows, new_cache, new_rows, len(self.prefix_ids))
+                            release_freed_memory()  # the old batch's buffers, before they fragment the heap
                             rows += new_rows
                             logits = new_logits if logits is None else torch.cat([logits, new_logits])
                     tokens, lps = sample_rows(logits, [r.req.temperature for r in rows], [r.req.top_p for r in rows],
@@ -591,7 +594,7 @@ class TransformersEngine:
             first = P if row.has_prefix else 0
             pos[b, width - row.own_len:] = torch.arange(first, first + row.own_len)
             row.start = P + width - row.own_len
-        cache = new_cache(self._shared_prefix_kv(), len(rows))
+        cache = new_cache(self._shared_prefix_kv(), len(rows), room=width + 1)
         self.waves += 1
         self.prefill_tokens += sum(r.own_len for r in rows)
         logits = self._forward(ids.to(self.device), attention_mask(rows, P + width, P, self.device),
@@ -646,9 +649,10 @@ def attention_mask(rows, width: int, P: int, device):
 
 
 def growing_kv_layer():
-    """A transformers cache layer whose keys and values live in a buffer that doubles when full, so appending a
-    token costs one column, not a copy of the whole cache (DynamicLayer concatenates at every step, which at 32
-    rows of 700 tokens moves ~1 GB per step). Built on first use, so importing this module needs no torch."""
+    """A transformers cache layer whose keys and values live in a buffer with room to grow (by a quarter when
+    full), so appending a token writes one column instead of copying the whole cache (DynamicLayer concatenates
+    at every step: at 32 rows of 700 tokens that moves ~1 GB per step; measured 15-20% of a decode step).
+    Built on first use, so importing this module needs no torch."""
     global _GrowingKVLayer
     if _GrowingKVLayer is None:
         from transformers.cache_utils import DynamicLayer
@@ -659,8 +663,8 @@ def growing_kv_layer():
                     self.lazy_initialization(key_states, value_states)
                     self.set(key_states[:, :, :0], value_states[:, :, :0])
                 n, add = self.keys.shape[-2], key_states.shape[-2]
-                if n + add > self.k_buf.shape[-2]:
-                    self.set(self.keys, self.values, room=max(n + add, 64))
+                if n + add > self.k_buf.shape[-2]:  # grow by a quarter (at least 128 columns): bounded waste
+                    self.set(self.keys, self.values, room=max(add + n // 4, 128))
                 self.k_buf[:, :, n:n + add] = key_states
                 self.v_buf[:, :, n:n + add] = value_states
                 self.keys, self.values = self.k_buf[:, :, :n + add], self.v_buf[:, :, :n + add]
@@ -677,8 +681,14 @@ def growing_kv_layer():
                 self.keys, self.values = self.k_buf[:, :, :n], self.v_buf[:, :, :n]
                 self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
 
-            def batch_select_indices(self, indices):
-                self.set(self.keys[indices], self.values[indices])
+            def hold(self, k_buf, v_buf, n: int):
+                """Take over these buffers (rows, heads, columns with room, dim); the first n columns are filled."""
+                self.k_buf, self.v_buf = k_buf, v_buf
+                self.keys, self.values = k_buf[:, :, :n], v_buf[:, :, :n]
+                self.device, self.dtype, self.is_initialized = k_buf.device, k_buf.dtype, True
+
+            def batch_select_indices(self, indices):  # one copy of the kept rows, room included
+                self.hold(self.k_buf[indices], self.v_buf[indices], self.keys.shape[-2])
 
         _GrowingKVLayer = GrowingKVLayer
     return _GrowingKVLayer
@@ -687,9 +697,9 @@ def growing_kv_layer():
 _GrowingKVLayer = None
 
 
-def new_cache(layers_kv, batch: int | None = None):
+def new_cache(layers_kv, batch: int | None = None, room: int = 64):
     """A transformers cache of growing layers; layers_kv: [(keys, values)] per layer (expanded to `batch` rows
-    when given) or None for an empty cache."""
+    when given, with room for `room` more columns) or None for an empty cache."""
     from transformers import DynamicCache
 
     layer_class = growing_kv_layer()
@@ -699,24 +709,15 @@ def new_cache(layers_kv, batch: int | None = None):
         layer = layer_class()
         if batch is not None:
             keys, values = keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1)
-        layer.set(keys, values)
+        layer.set(keys, values, room)
         cache.layers.append(layer)
     return cache
 
 
-def insert_columns(x, at: int, n: int):
-    """x [batch, heads, columns, dim] with n masked (zero) columns inserted before column `at`."""
-    import torch
-
-    if n == 0:
-        return x
-    pad = x.new_zeros(x.shape[:2] + (n,) + x.shape[3:])
-    return torch.cat([x[:, :, :at], pad, x[:, :, at:]], dim=2)
-
-
 def merge_batches(cache, rows, new, new_rows, P: int):
     """Stack the newcomers' cache under the running batch's, padding the shorter one after the prefix so both
-    end in the same column (every row appends its next token there)."""
+    end in the same column (every row appends its next token there). Written straight into one new buffer per
+    layer (with room to grow), so the batch's KV is copied once."""
     if cache is None:
         return new
     width, new_width = cache.get_seq_length(), new.get_seq_length()
@@ -725,27 +726,37 @@ def merge_batches(cache, rows, new, new_rows, P: int):
         r.start += target - width
     for r in new_rows:
         r.start += target - new_width
-    import torch
-
-    merged = []
+    merged = new_cache(None)
     for old_layer, new_layer in zip(cache.layers, new.layers):
-        merged.append(tuple(torch.cat([insert_columns(a, P, target - width), insert_columns(b, P, target - new_width)])
-                            for a, b in ((old_layer.keys, new_layer.keys), (old_layer.values, new_layer.values))))
-    return new_cache(merged)
+        bufs = []
+        for a, b in ((old_layer.keys, new_layer.keys), (old_layer.values, new_layer.values)):
+            buf = a.new_zeros((a.shape[0] + b.shape[0], a.shape[1], target + 128, a.shape[3]))
+            for rows_, x, shift in ((slice(0, a.shape[0]), a, target - width),
+                                    (slice(a.shape[0], None), b, target - new_width)):
+                buf[rows_, :, :P] = x[:, :, :P]                                  # the prefix
+                buf[rows_, :, P + shift:target] = x[:, :, P:]                    # own tokens, right-aligned
+            bufs.append(buf)
+        layer = growing_kv_layer()()
+        layer.hold(*bufs, target)
+        merged.layers.append(layer)
+    return merged
 
 
 def trim_padding(cache, rows, P: int, slack: int = 64):
     """Drop the padding columns that every remaining row masks (left by rows that left the batch), once there
-    are at least `slack` of them: attention then runs over fewer columns."""
+    are at least `slack` of them: attention then runs over fewer columns. In place: the own-token columns move
+    left inside the existing buffers."""
     waste = min(r.start for r in rows) - P
     if waste < slack:
         return cache
-    import torch
-
     for r in rows:
         r.start -= waste
-    return new_cache([tuple(torch.cat([x[:, :, :P], x[:, :, P + waste:]], dim=2) for x in (layer.keys, layer.values))
-                      for layer in cache.layers])
+    for layer in cache.layers:
+        n = layer.keys.shape[-2]
+        for buf in (layer.k_buf, layer.v_buf):
+            buf[:, :, P:n - waste] = buf[:, :, P + waste:n].clone()
+        layer.hold(layer.k_buf, layer.v_buf, n - waste)
+    return cache
 
 
 class SimulatedEngine:

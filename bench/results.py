@@ -1,0 +1,116 @@
+"""Tables and plots for RESULTS.md: the models compared (eval.py results) and the RL runs compared (metrics.jsonl).
+
+    python bench/results.py \
+        --eval base=runs/results/base/result.json --eval sft=runs/results/sft/result.json \
+        --eval "RL RoC=runs/results/roc/result.json" --eval "RL no RoC=runs/results/noroc/result.json" \
+        --run "RoC=runs/cpu-s0/stage1/metrics.jsonl" --run "no RoC=runs/cpu-s0-noroc/stage1/metrics.jsonl" \
+        --out docs
+
+Writes docs/results-models.png (accuracy, valid tool calls, tool errors in correct trajectories, response length
+per model) and docs/results-training.png (training curves of the runs, overlaid), and prints the markdown table.
+Several metrics files may share a name (seeds): curves are drawn per file, the table gives mean and spread.
+The last line printed is one JSON object with every number.
+"""
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+MODEL_METRICS = [("pass@1", "accuracy (pass@1)"), ("valid_tool_call_share", "valid tool call share"),
+                 ("tool_error_rate_correct", "tool error rate, correct trajectories"),
+                 ("response_len", "mean response length (tokens)")]
+RUN_METRICS = [("reward", "training reward (all 2G rollouts)"), ("tool_error_rate_pos_kept",
+               "tool error rate, kept positives"), ("response_len", "response length (tokens)"),
+               ("groups_dropped_frac", "groups dropped (all-equal reward)")]
+
+
+def named_paths(items: list[str]) -> list[tuple[str, Path]]:
+    out = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise SystemExit(f"error: expected NAME=PATH, got {item!r}")
+        out.append((name, Path(path)))
+    return out
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}" if isinstance(x, float) and x < 10 else f"{x:.0f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--eval", action="append", default=[], help="NAME=result.json written by eval.py --out")
+    ap.add_argument("--run", action="append", default=[], help="NAME=metrics.jsonl of an RL stage (repeat for seeds)")
+    ap.add_argument("--out", default="docs")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"models": {}, "runs": {}}
+
+    # ---- models: one eval.py result each
+    evals = [(name, json.loads(p.read_text())) for name, p in named_paths(args.eval)]
+    if evals:
+        print("| model | " + " | ".join(title for _, title in MODEL_METRICS) + " |")
+        print("|---|" + "---|" * len(MODEL_METRICS))
+        for name, r in evals:
+            print(f"| {name} | " + " | ".join(fmt(r.get(k)) for k, _ in MODEL_METRICS) + " |")
+            report["models"][name] = {k: r.get(k) for k, _ in MODEL_METRICS} | {"problems": r.get("problems"),
+                                                                              "samples": r.get("samples_per_problem")}
+        fig, axes = plt.subplots(1, len(MODEL_METRICS), figsize=(4 * len(MODEL_METRICS), 3.6))
+        for ax, (key, title) in zip(axes, MODEL_METRICS):
+            values = [r.get(key) or 0.0 for _, r in evals]
+            ax.bar(range(len(evals)), values, color=[f"C{i}" for i in range(len(evals))])
+            ax.set_xticks(range(len(evals)), [n for n, _ in evals], rotation=20, fontsize=8)
+            ax.set_title(title, fontsize=9)
+            for i, v in enumerate(values):
+                ax.text(i, v, fmt(v), ha="center", va="bottom", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "results-models.png", dpi=90)
+        plt.close(fig)
+
+    # ---- runs: training curves, and the first-vs-last held-out numbers per run
+    runs = named_paths(args.run)
+    if runs:
+        fig, axes = plt.subplots(1, len(RUN_METRICS), figsize=(4 * len(RUN_METRICS), 3.4))
+        names = list(dict.fromkeys(n for n, _ in runs))
+        per_name: dict[str, list[dict]] = {n: [] for n in names}
+        for name, path in runs:
+            rows = [r for r in read_jsonl(path) if r.get("step", 0) > 0]
+            colour = f"C{names.index(name)}"
+            for ax, (key, title) in zip(axes, RUN_METRICS):
+                pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+                if pts:
+                    ax.plot(*zip(*pts), color=colour, marker="o", ms=3, alpha=0.8,
+                            label=name if path == [p for n, p in runs if n == name][0] else None)
+                ax.set_title(title, fontsize=9)
+                ax.set_xlabel("RL step", fontsize=8)
+                ax.grid(alpha=0.3)
+            first = read_jsonl(path)[0]
+            last = rows[-1] if rows else {}
+            per_name[name].append({"heldout_before": first.get("heldout_acc"), "heldout_after": last.get("heldout_acc"),
+                                   "steps": last.get("step"), "wall_s": sum(r.get("step_time_s", 0) for r in rows)})
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "results-training.png", dpi=90)
+        plt.close(fig)
+        for name, items in per_name.items():
+            after = [i["heldout_after"] for i in items if i["heldout_after"] is not None]
+            report["runs"][name] = {"seeds": len(items), "runs": items,
+                                    "heldout_after_mean": statistics.mean(after) if after else None,
+                                    "heldout_after_stdev": statistics.stdev(after) if len(after) > 1 else None}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
