@@ -98,7 +98,7 @@ class Config:
 
 PRESETS = {
     # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 take ~30 minutes.
-    # Measured: SFT ~9 min; one round of 8 problems x 8 rollouts ~2 min; an update ~20 s.
+    # Measured (README): SFT 8.6 min; a step (8 problems x 8 rollouts, then the update) 2.5-3 min; all 28.8 min.
     "cpu": dict(steps=6, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=512,
                 draw_problems=8, max_draw_rounds=1, lr=2e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=2048,
                 eval_problems=16, eval_samples=2, hard_scan=32, sft_examples=192, levels=(1,)),

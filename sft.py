@@ -63,8 +63,8 @@ class SFTConfig:
     fix_share: float = 0.1           # tool examples whose first program fails (real traceback), then is fixed
     data_jsonl: str | None = None    # extra chat examples {"messages": [...]} (real function-calling sets on GPU)
     epochs: int = 1                  # paper: 3 (over 222K examples); one pass over a small varied set here
-    lr: float = 2e-4                 # paper: 5e-6 for a 14B model; a 135M model needs a larger step (5e-5:
-                                     # 6% valid tool calls after the CPU preset, 2e-4: 26% -> see README)
+    lr: float = 2e-4                 # paper: 5e-6 for a 14B model; a 135M model needs a larger step
+                                     # (bench/measure_sft.py at T=1: 5e-5 gave 6% valid tool calls, 2e-4 26%)
     min_lr_ratio: float = 0.1        # cosine decay to lr * min_lr_ratio (paper: not stated)
     warmup_steps: int = 3            # linear warm-up, optimizer steps
     weight_decay: float = 0.0
