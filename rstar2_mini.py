@@ -105,7 +105,7 @@ PRESETS = {
     # One 8-GPU node: the paper's numbers (Table/section 4); lengths per stage come from STAGES below.
     "paper": dict(steps=300, groups_per_step=512, group_size=16, oversample=2, max_turns=10,
                   max_response_tokens=8192, lr=1e-6, warmup_steps=20, minibatches=1, micro_batch_tokens=32768,
-                  eval_problems=256, eval_samples=16, hard_scan=42000, engine_batch=256, chunk_tokens=1024,
+                  eval_problems=256, eval_samples=16, hard_scan=42000, engine_batch=256, chunk_tokens=512,
                   sft_examples=222000, sft_epochs=3, sft_lr=5e-6, sft_batch=64, levels=(1, 2, 3)),
 }
 

@@ -259,6 +259,9 @@ class RolloutConfig:
     # A continuation after a tool call stays on the engine that holds its prefix (its KV cache can be reused)
     # unless that engine has less free capacity than the best one by more than this fraction of its capacity.
     prefix_affinity: float = 0.25
+    # A continuation whose previous engine is full for now waits for that engine (keeping its cached prefix)
+    # unless that engine is overloaded by the rule above; requests behind it may use the other engines.
+    prefix_wait: bool = True
     # Reserve KV for at most this many new tokens per request (0: the turn's whole remaining budget). A turn
     # that needs more continues in a new request, preferably on the same engine, where its prefix is cached.
     # Smaller reservations let an engine run more sequences at once without ever overflowing (the reservation
@@ -898,26 +901,39 @@ class Scheduler:
         self.busy = num_trajectories   # trajectories neither waiting here nor finished (deterministic barriers)
         self._order = 0
 
-    def pick_engine(self, req: GenRequest, previous: int | None) -> int | None:
+    def pick_engine(self, req: GenRequest, previous: int | None, blocked: frozenset = frozenset()) -> int | None:
         """The engine with the most free capacity among those the request fits in (ties: lowest index);
         the previous engine when it fits and is within `prefix_affinity` of the best; None when none fits.
+        Engines in `blocked` are held for a request ahead in the queue: this one may not take them.
 
-        A request reserves its context plus its whole remaining budget (req.need). An engine cannot be told to
+        A request reserves its context plus every token it may write (req.need). An engine cannot be told to
         pause a sequence, so this is the only admission rule under which its KV cache can never overflow,
-        whatever the lengths turn out to be. It is conservative: at paper-like settings the cache is about half
-        used (bench/bench_scheduler.py), and admitting by expected use would pack more sequences and shorten
-        the step's tail, but brings back preemption (recompute) whenever the guess is wrong."""
+        whatever the lengths turn out to be. cfg.chunk_tokens keeps each reservation small."""
         free = [e.free_tokens() for e in self.engines]
         cap = self.cfg.max_requests_per_engine
-        fits = [i for i in range(len(self.engines))
-                if req.need <= free[i] and (cap <= 0 or self.engines[i].num_requests() < cap)]
+        fits = [i for i in range(len(self.engines)) if i not in blocked
+                and req.need <= free[i] and (cap <= 0 or self.engines[i].num_requests() < cap)]
         if not fits:
             return None
         best = max(fits, key=lambda i: (free[i], -i))
-        if previous in fits and free[previous] >= free[best] - self.cfg.prefix_affinity * \
-                self.engines[previous].capacity_tokens:
+        if previous in fits and self.near_best(previous, free[best]):
             return previous
+        if previous is not None and self.cfg.prefix_wait and previous not in fits and self.near_best(previous, free[best]):
+            return None  # its prefix is cached there and that engine is not overloaded: wait for it
         return best
+
+    def near_best(self, i: int, best_free: int) -> bool:
+        """Engine i has at most `prefix_affinity` of its capacity less free than the best engine."""
+        return self.engines[i].free_tokens() >= best_free - self.cfg.prefix_affinity * self.engines[i].capacity_tokens
+
+    def engines_awaited(self, previous: int | None) -> set[int]:
+        """The engines a request that could not be placed waits for: its previous engine when it waits to keep
+        its cached prefix, else all of them (it takes the first with room, in queue order)."""
+        if previous is not None and self.cfg.prefix_wait:
+            free = [e.free_tokens() for e in self.engines]
+            if self.near_best(previous, max(free)):
+                return {previous}
+        return set(range(len(self.engines)))
 
     async def generate(self, req: GenRequest, previous: int | None) -> tuple[GenResult, int]:
         """Generate one turn; returns the result and the engine that produced it."""
@@ -944,18 +960,26 @@ class Scheduler:
         return await out
 
     def dispatch(self) -> None:
-        """Place waiting requests in order while the first one fits somewhere (no overtaking: a long request
-        is never starved by short ones). Deterministic mode places only at barriers."""
+        """Place waiting requests in queue order. A request that fits nowhere holds the engines it waits for
+        (all of them, or only its previous engine when it waits to reuse its cached prefix there): requests
+        behind it may not overtake it on those engines, so nothing is starved, but may use the others.
+        Deterministic mode places only at barriers."""
         if self.cfg.deterministic and self.busy > 0:
             return
-        while self.waiting:
-            _, _, req, previous, out = self.waiting[0]
-            i = self.pick_engine(req, previous)
+        blocked: set[int] = set()
+        skipped = []
+        while self.waiting and len(blocked) < len(self.engines):
+            item = heapq.heappop(self.waiting)
+            _, _, req, previous, out = item
+            i = self.pick_engine(req, previous, frozenset(blocked))
             if i is None:
-                return
-            heapq.heappop(self.waiting)
+                skipped.append(item)
+                blocked |= self.engines_awaited(previous)
+                continue
             self.busy += 1
             self._send(req, i, out)
+        for item in skipped:
+            heapq.heappush(self.waiting, item)
 
     def _send(self, req: GenRequest, i: int, out: asyncio.Future) -> None:
         def done(inner: asyncio.Future) -> None:

@@ -15,10 +15,10 @@ Three routers on the same seeded step:
   least_requests  each turn goes to the engine holding the fewest requests (vLLM's data-parallel balancer, the
                   OpenRLHF dispatcher), sent at once, fits or not
   balanced        ours: the engine with the most free KV capacity, only when the request's context plus the
-                  new tokens it may write fits; continuations prefer the engine holding their prefix; tool calls
-                  release capacity at once. A request may write at most --chunk-tokens (default 1024) new
-                  tokens, a longer turn continues in a next request (RolloutConfig.chunk_tokens); the same
-                  router reserving each turn's whole remaining budget is reported as balanced_whole_budget_s
+                  new tokens it may write fits; a continuation waits for the engine holding its prefix unless
+                  that engine is overloaded; tool calls release capacity at once. A request may write at most
+                  --chunk-tokens (default 512) new tokens, a longer turn continues in a next request
+                  (RolloutConfig.chunk_tokens); the same router reserving each turn's whole remaining budget is reported as balanced_whole_budget_s
 
 Workload scale (defaults): 64 problems x 32 samples = 2048 rollouts on 8 engines, 256 per engine, as in the
 paper's stage 1 (512 prompts x 32 rollouts over 64 GPUs, one engine per GPU); 8K length budget and 10 turns
@@ -27,6 +27,10 @@ paper's stage 1 (512 prompts x 32 rollouts over 64 GPUs, one engine per GPU); 8K
 0.8 memory utilization gives about 190K). With 256 rollouts sent to an engine at once, the static baseline
 overflows its cache and preempts; each preempted sequence recomputes its whole context (prompt and every token so
 far) when it is admitted again, charged at the prefill rate.
+
+Each seed draws a new step (difficulties, lengths, latencies); the tail of a step (its few longest trajectories)
+moves the ratios by several percent from seed to seed, so the last line gives the mean over --seeds (default
+3) and each seed's value.
 
 lower_bound_s is the work divided by the total throughput: every generated token plus the unavoidable prefill
 (prompt and tool-response tokens, once each) over 8 engines at their full rate. `overflow_*` counts KV-cache
@@ -69,10 +73,11 @@ parser.add_argument("--prefill-speedup", type=float, default=10.0, help="prefill
 parser.add_argument("--mean-turn-tokens", type=float, default=350.0, help="median tokens of a turn, average problem")
 parser.add_argument("--mean-tool-s", type=float, default=0.3, help="median tool latency, seconds (paper: 0.3 s mean)")
 parser.add_argument("--tool-timeout-s", type=float, default=10.0)
-parser.add_argument("--chunk-tokens", type=int, default=1024,
+parser.add_argument("--chunk-tokens", type=int, default=512,
                     help="ours: reserve KV for at most this many new tokens per request (0: the whole budget)")
 parser.add_argument("--max-requests", type=int, default=0, help="ours: requests held per engine at most (0: no cap)")
-parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                    help="one simulated step per seed; the ratios are reported per seed and as their mean")
 args = parser.parse_args()
 
 # ---- the simulated model and sandbox
@@ -88,11 +93,12 @@ def tool_call_ids(latency_s: float) -> list[int]:
 
 
 def difficulty(problem: int) -> float:
-    return random.Random(f"{args.seed}:difficulty:{problem}").lognormvariate(0.0, 0.6)
+    return random.Random(f"{SEED[0]}:difficulty:{problem}").lognormvariate(0.0, 0.6)
 
 
 FIRST_TURN_AT: dict[str, float] = {}  # router -> virtual time of the last trajectory's first request
 ROUTER = [""]
+SEED = [0]  # the seed of the step being simulated
 
 
 def script(req: scheduler.GenRequest):
@@ -101,8 +107,8 @@ def script(req: scheduler.GenRequest):
     if turn == 0:
         FIRST_TURN_AT[ROUTER[0]] = asyncio.get_running_loop().time()
     d = difficulty(problem)
-    calls = min(args.max_turns - 1, int(random.Random(f"{args.seed}:calls:{problem}:{sample}").expovariate(1 / (1.5 * d))))
-    rng = random.Random(f"{args.seed}:turn:{problem}:{sample}:{turn}")
+    calls = min(args.max_turns - 1, int(random.Random(f"{SEED[0]}:calls:{problem}:{sample}").expovariate(1 / (1.5 * d))))
+    rng = random.Random(f"{SEED[0]}:turn:{problem}:{sample}:{turn}")
     tokens = FILLER * int(rng.lognormvariate(math.log(args.mean_turn_tokens * d), 0.9))
     if turn < calls:
         return tokens + tool_call_ids(rng.lognormvariate(math.log(args.mean_tool_s), 1.2)), "tool"
@@ -142,7 +148,7 @@ def run(routing: str, chunk_tokens: int = 0) -> dict:
     problems = [(f"p{i}", f"Problem number {i}: what is {i} + 7?") for i in range(args.problems)]
     started = time.time()
     groups = scheduler.run_rollouts(engines, SimulatedTools(), tokenizer, problems, args.samples, cfg,
-                                    seed=args.seed, progress=False, loop=loop)
+                                    seed=SEED[0], progress=False, loop=loop)
     trajs = [t for g in groups for t in g]
     loop.close()
     # the longest trajectory alone: its tokens at one sequence's speed plus its tool time (a bound on the tail)
@@ -161,25 +167,33 @@ def run(routing: str, chunk_tokens: int = 0) -> dict:
             "tool_calls": sum(t.tool_calls for t in trajs)}
 
 
-results = {"kv": run("kv", args.chunk_tokens), "kv_whole_budget": run("kv", 0),
-           "least_requests": run("least_requests"), "static": run("static")}
-for r in results.values():
-    print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}))
+def one_seed(seed: int) -> dict:
+    SEED[0] = seed
+    results = {"kv": run("kv", args.chunk_tokens), "kv_whole_budget": run("kv", 0),
+               "least_requests": run("least_requests"), "static": run("static")}
+    for r in results.values():
+        print(json.dumps({"seed": seed} | {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}))
+    ours, static, least = results["kv"], results["static"], results["least_requests"]
+    work = ours["model_tokens"] + ours["inserted_tokens"] / args.prefill_speedup
+    lower_bound = work / (args.engines * args.tokens_per_s)
+    return {"balanced_s": ours["step_s"], "static_s": static["step_s"], "least_requests_s": least["step_s"],
+            "lower_bound_s": lower_bound, "balanced_whole_budget_s": results["kv_whole_budget"]["step_s"],
+            "static_over_balanced": static["step_s"] / ours["step_s"],
+            "least_requests_over_balanced": least["step_s"] / ours["step_s"],
+            "balanced_over_bound": ours["step_s"] / lower_bound,
+            "critical_path_s": ours["critical_path_s"], "last_start_balanced_s": ours["last_start_s"],
+            "imbalance_static": static["imbalance"], "imbalance_least_requests": least["imbalance"],
+            "imbalance_balanced": ours["imbalance"],
+            "overflow_static": static["overflow"], "overflow_least_requests": least["overflow"],
+            "overflow_balanced": ours["overflow"]}
 
-ours, static, least = results["kv"], results["static"], results["least_requests"]
-work = ours["model_tokens"] + ours["inserted_tokens"] / args.prefill_speedup
-lower_bound = work / (args.engines * args.tokens_per_s)
-print(json.dumps({
-    "engines": args.engines, "rollouts": args.problems * args.samples,
-    "balanced_s": round(ours["step_s"], 1), "static_s": round(static["step_s"], 1),
-    "least_requests_s": round(least["step_s"], 1), "lower_bound_s": round(lower_bound, 1),
-    "chunk_tokens": args.chunk_tokens, "balanced_whole_budget_s": round(results["kv_whole_budget"]["step_s"], 1),
-    "static_over_balanced": round(static["step_s"] / ours["step_s"], 3),
-    "least_requests_over_balanced": round(least["step_s"] / ours["step_s"], 3),
-    "balanced_over_bound": round(ours["step_s"] / lower_bound, 3),
-    "critical_path_s": round(ours["critical_path_s"], 1), "last_start_balanced_s": round(ours["last_start_s"], 1),
-    "imbalance_static": round(static["imbalance"], 3), "imbalance_least_requests": round(least["imbalance"], 3),
-    "imbalance_balanced": round(ours["imbalance"], 3),
-    "overflow_static": static["overflow"], "overflow_least_requests": least["overflow"],
-    "overflow_balanced": ours["overflow"],
-}))
+
+per_seed = [one_seed(seed) for seed in args.seeds]
+summary = {"engines": args.engines, "rollouts": args.problems * args.samples, "chunk_tokens": args.chunk_tokens,
+           "seeds": args.seeds}
+for k in per_seed[0]:  # the mean over seeds (overflows: the total), then each seed's value
+    values = [r[k] for r in per_seed]
+    summary[k] = sum(values) if k.startswith("overflow") else round(sum(values) / len(values), 3)
+    if k in ("static_over_balanced", "balanced_over_bound", "balanced_s", "lower_bound_s"):
+        summary[k + "_per_seed"] = [round(v, 3) for v in values]
+print(json.dumps(summary))

@@ -196,6 +196,44 @@ def test_requests_go_to_the_engine_with_most_free_capacity(tokenizer):
     assert sched.pick_engine(req, 0) == 1
 
 
+def test_a_continuation_waits_for_the_engine_holding_its_prefix_without_blocking_the_others():
+    cfg = S.RolloutConfig()  # prefix_affinity 0.25, prefix_wait on
+    sched = S.Scheduler([S.SimulatedEngine(None, 4000), S.SimulatedEngine(None, 4000)], cfg, 1, 1)
+    req = S.GenRequest([1] * 100, 400)                 # needs 500
+    sched.engines[0]._reserved, sched.engines[1]._reserved = 3800, 3400   # free: 200 and 600
+    assert sched.pick_engine(req, 0) is None           # engine 0 holds its prefix and is not overloaded: wait
+    assert sched.engines_awaited(0) == {0}             # ... for engine 0 only
+    assert sched.pick_engine(req, None) == 1           # a request behind it may use engine 1
+    assert sched.pick_engine(req, None, frozenset({1})) is None       # unless engine 1 is held for another
+    assert sched.engines_awaited(None) == {0, 1}
+    sched.engines[0]._reserved = 3900                  # engine 0 now far more loaded (free 100 vs 600 + 1000)
+    sched.engines[1]._reserved = 1000
+    assert sched.pick_engine(req, 0) == 1              # it moves (and recomputes its prefix there)
+    sched = S.Scheduler(sched.engines, S.RolloutConfig(prefix_wait=False), 1, 1)
+    sched.engines[1]._reserved = 3400
+    assert sched.pick_engine(req, 0) == 1              # without prefix_wait: the engine with room
+
+
+def test_waiting_for_the_prefix_engine_saves_recomputation_and_never_overfills(tokenizer):
+    runs = {}
+    for wait in (True, False):
+        cfg = S.RolloutConfig(max_response_tokens=1200, prefix_wait=wait)
+        loop = S.virtual_time_loop()
+        capacity = 4 * (len(S.render_prompt(tokenizer, "question 0")) + 1200)
+        engines = [Watched(heavy_script(tokenizer), capacity, tokens_per_s=500, saturation=2) for _ in range(3)]
+        problems = [(f"p{i}", f"question {i}") for i in range(8)]
+        groups = S.run_rollouts(engines, EchoTools(), tokenizer, problems, 4, cfg, seed=0, progress=False, loop=loop)
+        loop.close()
+        trajs = [t for g in groups for t in g]
+        assert all(t.finish_reason == "answer" for t in trajs) and len(trajs) == 32
+        assert all(e.max_reserved <= capacity and e.preemptions == 0 for e in engines)
+        moves = sum(a != b for t in trajs for a, b in zip(t.engines, t.engines[1:]))
+        runs[wait] = (sum(e.prefill_tokens for e in engines), moves, [t.response_ids for t in trajs])
+    assert runs[True][2] == runs[False][2]             # the same trajectories (the script is the model) ...
+    assert runs[True][1] < runs[False][1]              # ... with fewer moves between engines
+    assert runs[True][0] < runs[False][0]              # and less prefill recomputed
+
+
 def test_scheduler_is_deterministic_given_seed_and_engine_outputs(tokenizer):
     cfg = S.RolloutConfig(max_response_tokens=1200)
     problems = [(f"p{i}", f"question {i}") for i in range(6)]
