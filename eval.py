@@ -503,14 +503,14 @@ def summarize(problems, groups, ks=None) -> dict:
         # the paper's Figure 9 quantity: how often the tool failed inside trajectories that got the answer right
         "tool_error_rate_correct": sum(t.tool_errors for t in correct) / correct_calls if correct_calls else None,
         "valid_tool_call_share": sum(has_valid_tool_call(t) for t in trajs) / max(len(trajs), 1),
-        "answer_format_share": sum(answer_format_ok(t.response_text) for t in trajs) / max(len(trajs), 1),
+        "answer_format_share": sum(answer_format_ok(t.model_text) for t in trajs) / max(len(trajs), 1),
         "finish_reasons": {r: sum(t.finish_reason == r for t in trajs) for r in sorted({t.finish_reason for t in trajs})},
     }
     for k in ks:
         if 1 < k <= n:
             solved = [sum(t.reward > 0 for t in g) for g in groups]
             out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in solved) / len(groups)
-            votes = [majority_vote([extract_answer(t.response_text) for t in g[:k]]) for g in groups]
+            votes = [majority_vote([extract_answer(t.model_text) for t in g[:k]]) for g in groups]
             out[f"maj@{k}"] = sum(v is not None and is_equiv(v, p.answer) for v, p in zip(votes, problems)) / len(groups)
     return out
 
@@ -525,7 +525,7 @@ def evaluate(engines, pool, tokenizer, problems, n_samples: int, rollout_cfg, lo
                                     rollout_cfg, seed=seed, progress=progress, loop=loop)
     for p, group in zip(problems, groups):
         for t in group:
-            t.reward = reward(t.response_text, p.answer)
+            t.reward = reward(t.model_text, p.answer)
     return summarize(problems, groups), groups
 
 
@@ -541,7 +541,7 @@ def markdown_table(name: str, s: dict) -> str:
 def show_trajectory(tokenizer, traj, gold: str, colour: bool) -> str:
     """One trajectory, readable: model text plain, inserted tool responses dimmed (cyan), verdict in colour."""
     c = (lambda code, x: f"\033[{code}m{x}\033[0m") if colour else (lambda code, x: x)  # noqa: E731
-    parts = [c("1", f"== {traj.problem_id}  gold={gold}  predicted={extract_answer(traj.response_text)}  ")
+    parts = [c("1", f"== {traj.problem_id}  gold={gold}  predicted={extract_answer(traj.model_text)}  ")
              + (c("32", "CORRECT") if traj.reward > 0 else c("31", "WRONG"))
              + f"  turns={traj.turns} tool_calls={traj.tool_calls} errors={traj.tool_errors} finish={traj.finish_reason}"]
     for seg in traj.segments:

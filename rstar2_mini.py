@@ -53,6 +53,7 @@ class Config:
     # data
     data: str | None = None           # JSONL/JSON problems (default: the built-in integer-answer generator)
     levels: tuple[int, ...] = (1, 2)  # generator difficulty levels
+    families: tuple[str, ...] = ()    # generator problem families (tasks.FAMILIES; empty: all of them)
     # rollouts (paper section 2.1, 3.2)
     groups_per_step: int = 4          # informative problems per step (paper: 512 prompts)
     group_size: int = 4               # G, rollouts kept per problem after RoC (paper: 16)
@@ -199,7 +200,12 @@ def load_problem_source(cfg: Config):
     import tasks
 
     if cfg.data is None:
-        return lambda i: tasks.problem_at(i, seed=cfg.seed, split="train", levels=cfg.levels)
+        families = cfg.families or None
+        try:  # unknown levels or families: one clear message now, not a traceback inside step 1
+            tasks.problem_at(0, seed=cfg.seed, split="train", levels=cfg.levels, families=families)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        return lambda i: tasks.problem_at(i, seed=cfg.seed, split="train", levels=cfg.levels, families=families)
     try:
         problems = tasks.load_problems(tasks.resolve_dataset(cfg.data))
     except (tasks.DataError, FileNotFoundError, ValueError) as e:
@@ -409,7 +415,7 @@ def generate_groups(rt: Runtime, cfg: Config, problems, n: int, seed: int, tempe
     reward_fn = rt.reward_fn or grader.reward
     for p, group in zip(problems, groups):
         for traj in group:
-            traj.reward = reward_fn(traj.response_text, p.answer)
+            traj.reward = reward_fn(traj.model_text, p.answer)
     return groups
 
 
@@ -621,7 +627,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
 
     import tasks
 
-    heldout = tasks.heldout_problems(cfg.eval_problems, seed=1234, levels=cfg.levels)
+    heldout = tasks.heldout_problems(cfg.eval_problems, seed=1234, levels=cfg.levels, families=cfg.families or None)
     if step == 0 and cfg.eval_problems > 0:
         before = heldout_accuracy(rt, cfg, heldout)
         log(f"[stage {stage}] held-out accuracy before RL: {before['heldout_acc']:.3f} "
@@ -885,8 +891,9 @@ def coerce(key: str, raw: str):
             return int(raw)
         if isinstance(current, float):
             return float(raw)
-        if isinstance(current, tuple):
-            return tuple(int(x) for x in raw.split(","))
+        if isinstance(current, tuple):  # comma-separated: levels are ints, families are names
+            items = tuple(x.strip() for x in raw.split(",") if x.strip())
+            return items if key == "families" else tuple(int(x) for x in items)
         return raw
     except ValueError:
         raise UsageError(f"--set {key}={raw}: expected a {type(current).__name__}") from None

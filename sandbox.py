@@ -239,6 +239,7 @@ def drop_all_capabilities() -> None:
 # Worker start-up (runs once per worker, as W): namespaces and the read-only view of the file system
 
 NEW_ROOT = "/sys"  # borrowed as the mount point of the new root's tmpfs (in our private mount namespace only)
+TMP_STASH = "/.interpreter-in-tmp"  # interpreter files that live under /tmp, bound here too (see fresh_scratch)
 DEVICES = ("null", "zero", "full", "random", "urandom")
 
 
@@ -271,6 +272,12 @@ def paths_the_interpreter_needs() -> list[str]:
         if not any(path == c or path.startswith(c + "/") for c in chosen):  # already inside a chosen tree
             chosen.append(path)
     return chosen
+
+
+def interpreter_paths_in_tmp() -> list[str]:
+    """Interpreter paths under /tmp (a checkout or virtual environment there): each call's private /tmp would
+    hide them, so they are bound again, read-only, into every fresh /tmp."""
+    return [p for p in paths_the_interpreter_needs() if p.startswith("/tmp/") and not os.path.islink(p)]
 
 
 def mount_flags_to_keep(path: str) -> int:
@@ -306,6 +313,8 @@ def build_sandbox_root() -> None:
             os.symlink(os.readlink(path), target)
         else:
             bind_readonly(os.path.realpath(path), target)
+    for path in interpreter_paths_in_tmp():
+        bind_readonly(os.path.realpath(path), NEW_ROOT + TMP_STASH + path)
     os.makedirs(NEW_ROOT + "/dev", exist_ok=True)
     for name in DEVICES:  # device nodes are bind mounts of the host's (creating nodes needs real root)
         open(f"{NEW_ROOT}/dev/{name}", "a").close()
@@ -348,6 +357,7 @@ def set_up_isolation(mode: str) -> tuple[dict, bool]:
     try:
         build_sandbox_root()
         iso["filesystem"] = True
+        iso["interpreter_in_tmp"] = interpreter_paths_in_tmp()
     except OSError as e:
         iso["error"] = str(e)
     try:
@@ -625,6 +635,8 @@ def fresh_scratch(config: dict, iso: dict, scratch_root: str | None) -> str:
             pass  # first call: nothing mounted yet
         mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
               f"size={config['scratch_mb']}m,nr_inodes=16384,mode=0700,uid={uid},gid={uid}")
+        for path in iso.get("interpreter_in_tmp", ()):  # e.g. a virtual environment under /tmp
+            bind_readonly(TMP_STASH + path, path)
         return "/tmp"
     path = os.path.join(scratch_root, "call")  # no mount namespace: a directory that is wiped after every call
     shutil.rmtree(path, ignore_errors=True)

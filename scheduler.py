@@ -200,6 +200,8 @@ class Trajectory:
     prompt_ids: list[int]
     segments: list[Segment] = field(default_factory=list)
     response_text: str = ""              # decoded text of everything after the prompt
+    model_text: str = ""                 # decoded text of the model's own segments: what is graded (a tool
+                                         # output that prints "\\boxed{42}" is not an answer by the model)
     finish_reason: str = ""              # "answer" | "length" | "turns" | "error"
     turns: int = 0                       # assistant turns
     tool_calls: int = 0
@@ -1087,7 +1089,8 @@ async def rollout_one(sched: Scheduler, pool, tokenizer, cfg: RolloutConfig, see
         sched.trajectory_done()
     traj.response_text = tokenizer.decode(traj.response_ids, skip_special_tokens=False,
                                           clean_up_tokenization_spaces=False)
-    traj.answer_tags = sum(t.count("<answer>") for t in model_text)
+    traj.model_text = "".join(model_text)
+    traj.answer_tags = traj.model_text.count("<answer>")
     return traj
 
 

@@ -679,6 +679,7 @@ def render_example(tokenizer, draft: Draft, results: list) -> Trajectory | None:
         t.tool_statuses[result.status] = t.tool_statuses.get(result.status, 0) + 1
     t.segments.append(Segment(encode(tokenizer, draft.final), 1))
     t.response_text = "".join(texts) + draft.final
+    t.model_text = "".join(texts[::2]) + draft.final
     t.turns, t.answer_tags = len(draft.calls) + 1, 1
     return t
 
@@ -806,6 +807,7 @@ def load_chat_jsonl(path: str | Path, tokenizer) -> list[Trajectory]:
                            finish_reason="answer", reward=1.0)
             t.segments = [Segment(encode(tokenizer, text), mask) for text, mask in pieces[first:]]
             t.response_text = "".join(text for text, _ in pieces[first:])
+            t.model_text = "".join(text for text, mask in pieces[first:] if mask)
             examples.append(t)
     return examples
 

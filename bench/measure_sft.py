@@ -34,11 +34,6 @@ import tasks  # noqa: E402
 from sandbox import SandboxPool  # noqa: E402
 
 
-def model_text(tokenizer, traj) -> str:
-    """Only what the model wrote (tool responses left out), as the answer-format check should see it."""
-    return "".join(tokenizer.decode(s.ids) for s in traj.segments if s.loss_mask)
-
-
 def first_program(tokenizer, traj) -> str | None:
     for s in traj.segments:
         if s.loss_mask:
@@ -58,13 +53,13 @@ def measure(model, tokenizer, pool, loop, problems, samples: int, args) -> dict:
                                     cfg, seed=args.seed, loop=loop)
     seconds = time.time() - t0
     trajs = [t for g in groups for t in g]
-    rewards = [[grader.reward(model_text(tokenizer, t), p.answer) for t in g] for p, g in zip(problems, groups)]
+    rewards = [[grader.reward(t.model_text, p.answer) for t in g] for p, g in zip(problems, groups)]
     calls = sum(t.tool_calls for t in trajs)
     ok_calls = sum(t.tool_statuses.get("ok", 0) for t in trajs)
     return {
         "problems": len(problems), "samples": samples, "trajectories": len(trajs),
         "tool_call_ok": sum(t.tool_statuses.get("ok", 0) > 0 for t in trajs) / len(trajs),
-        "answer_format_ok": sum(grader.answer_format_ok(model_text(tokenizer, t)) for t in trajs) / len(trajs),
+        "answer_format_ok": sum(grader.answer_format_ok(t.model_text) for t in trajs) / len(trajs),
         "accuracy": sum(map(sum, rewards)) / len(trajs),
         "mixed_groups": sum(0 < sum(r) < len(r) for r in rewards) / len(rewards),
         "distinct_programs": sum(len({first_program(tokenizer, t) for t in g} - {None}) for g in groups) / len(groups),
@@ -72,7 +67,7 @@ def measure(model, tokenizer, pool, loop, problems, samples: int, args) -> dict:
         "finish": {k: sum(t.finish_reason == k for t in trajs) for k in sorted({t.finish_reason for t in trajs})},
         "mean_response_tokens": sum(t.num_response_tokens for t in trajs) / len(trajs),
         "rollout_s": round(seconds, 1),
-        "example": model_text(tokenizer, trajs[0])[:1500],
+        "example": trajs[0].model_text[:1500],
     }
 
 

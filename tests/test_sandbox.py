@@ -263,6 +263,36 @@ def test_interpreter_is_the_parents_and_can_import_beyond_the_preloads(pool):
 # Behaviour of ordinary calls
 
 
+def test_an_interpreter_under_tmp_stays_visible_behind_each_calls_private_tmp(tmp_path):
+    # a checkout or virtual environment under /tmp: every call mounts a fresh /tmp, which must not hide it
+    import subprocess
+    import sysconfig
+
+    if not str(tmp_path).startswith("/tmp/"):
+        pytest.skip("needs a temporary directory under /tmp")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next(venv.glob("lib/python*/site-packages"))
+    (site / "ours.pth").write_text(sysconfig.get_paths()["purelib"] + "\n" + os.path.dirname(sandbox.__file__) + "\n")
+    (site / "probe_under_tmp.py").write_text("X = 41 + 1\n")
+    script = ("import asyncio, sandbox\n"
+              "async def main():\n"
+              "    async with sandbox.SandboxPool(workers=1, preload=()) as pool:\n"
+              "        for _ in range(2):  # a second call: its fresh /tmp gets the interpreter again\n"
+              "            r = await pool.run('import probe_under_tmp, fractions; print(probe_under_tmp.X)')\n"
+              "            print(r.status, r.stdout.strip(), r.stderr.strip()[-200:])\n"
+              "        r = await pool.run('open(probe_under_tmp_path, \"w\")'.replace('probe_under_tmp_path', "
+              "repr(probe_path)))\n"
+              "        print(r.status)\n"
+              "probe_path = %r\n"
+              "asyncio.run(main())\n") % str(site / "probe_under_tmp.py")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", script], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert lines[:2] == ["ok 42 ", "ok 42 "], out.stdout + out.stderr
+    assert lines[2] == "error"                       # ... read-only: the call cannot change it
+    assert (site / "probe_under_tmp.py").read_text() == "X = 41 + 1\n"
+
+
 def test_notebook_style_final_expression_and_stdin(pool):
     assert run(pool, "x = 2\nx ** 10").stdout == "1024\n"
     assert run(pool, "print('only once')").stdout == "only once\n"

@@ -133,6 +133,24 @@ def test_finish_reasons_turns_and_length(tokenizer):
     assert t.finish_reason == "length" and t.num_response_tokens == 64 and t.turns == 1
 
 
+def test_only_the_models_own_text_is_graded(tokenizer):
+    import eval as grader
+
+    class BoxingTools:  # the tool's output holds a boxed answer that the model never wrote
+        async def run(self, code, stdin="", timeout_s=None):
+            return ExecResult("ok", "\\boxed{391}\n", "", 0, 0.01)
+
+    turns = lambda p, s: ["Let me compute. " + call_text("print(17 * 23)"), "I am not sure."]  # noqa: E731
+    groups, _ = run_sim(tokenizer, scripted(tokenizer, turns), [("p0", "What is 17*23?")], 1, S.RolloutConfig(),
+                        tools=BoxingTools())
+    traj = groups[0][0]
+    assert "stdout: \\boxed{391}" in traj.response_text
+    assert grader.reward(traj.response_text, "391") == 1.0        # what grading the whole response would give
+    assert "stdout" not in traj.model_text and traj.model_text.startswith("Let me compute.")
+    assert grader.reward(traj.model_text, "391") == 0.0
+    assert not grader.answer_format_ok(traj.model_text)
+
+
 # ---- the scheduler
 
 
