@@ -156,6 +156,36 @@ def release_freed_memory() -> None:
         pass
 
 
+def next_token_logits(model, ids, attention_mask, start: int, share_prefix: bool = True):
+    """Logits that predict ids[:, start:] (logits[b, j] predicts ids[b, start + j]), for right-padded rows
+    whose first `start` tokens are the same (start >= 1). Used by the SFT loss and the RL log-probs.
+
+    Every trajectory starts with the same ~450-token system prompt, often longer than a small model's answer.
+    With share_prefix, that prefix is forwarded once (batch size 1, with gradient), its KV cache is expanded (a
+    view, not a copy) to the batch, and only the rest of each row is forwarded against it. The result equals
+    the plain padded forward exactly, gradients included: they flow through the expanded cache into the prefix.
+    Only logits from position start - 1 on are computed (the vocabulary projection is the costly part)."""
+    import inspect
+
+    import torch
+
+    B, L = ids.shape
+    if not share_prefix or B == 1 or start < 2:
+        out = model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=L - start + 1)
+        return out.logits[:, :-1]
+    head = model(input_ids=ids[:1, :start], use_cache=True, logits_to_keep=1)   # the shared prefix, once
+    cache = head.past_key_values
+    for layer in cache.layers:  # one prefix, B rows: expand is a view, gradients add up into the prefix
+        layer.keys = layer.keys.expand(B, -1, -1, -1)
+        layer.values = layer.values.expand(B, -1, -1, -1)
+    positions = torch.arange(start, L, device=ids.device).unsqueeze(0).expand(B, -1)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x / 4.x
+    tail = model(input_ids=ids[:, start:], attention_mask=attention_mask, position_ids=positions,
+                 **{cache_kw: cache})
+    # logits at position t predict token t+1: the prefix's last logit predicts ids[:, start]
+    return torch.cat([head.logits[:, -1:].expand(B, -1, -1), tail.logits[:, :-1]], dim=1)
+
+
 def tiny_model(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2):
     """A randomly initialised Llama of SmolLM2's shape but tiny, with the real tokenizer's vocabulary (tests)."""
     import torch

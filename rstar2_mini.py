@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -228,8 +227,8 @@ def load_problem_source(cfg: Config):
 #
 # Every trajectory starts with the same ~450-token system prompt (the paper's prompt + the tool schema), often
 # longer than the response of a small model. The prompt is forwarded once (with gradient), its KV cache is
-# expanded (a view, not a copy) to the micro-batch, and only the rest of each sequence is forwarded. The result
-# equals a full forward exactly: gradients flow through the expanded cache back into the prefix.
+# expanded (a view, not a copy) to the micro-batch, and only the rest of each sequence is forwarded
+# (model.next_token_logits). The result equals a full forward exactly: gradients flow into the prefix.
 
 
 def shared_prefix_length(seqs: list[list[int]]) -> int:
@@ -249,26 +248,18 @@ def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0):
     logprobs[b, j] is the log-probability of seqs[b][P + j] (zero where the row is padding)."""
     import torch
 
+    import model as models
+
     device = next(model.parameters()).device
     P = shared_prefix_length(seqs)
-    B = len(seqs)
-    head = model(input_ids=torch.tensor([seqs[0][:P]], device=device), use_cache=True)
-    cache = head.past_key_values
-    for layer in cache.layers:  # one prefix, B rows: expand is a view, gradients add up into the prefix
-        layer.keys = layer.keys.expand(B, -1, -1, -1)
-        layer.values = layer.values.expand(B, -1, -1, -1)
-    T = max(len(s) for s in seqs) - P
-    rest = torch.zeros(B, T, dtype=torch.long, device=device)
-    rest_mask = torch.zeros(B, T, dtype=torch.long, device=device)
+    B, L = len(seqs), max(len(s) for s in seqs)
+    ids = torch.zeros(B, L, dtype=torch.long, device=device)
+    mask = torch.zeros(B, L, dtype=torch.long, device=device)
     for b, s in enumerate(seqs):
-        rest[b, : len(s) - P] = torch.tensor(s[P:], device=device)
-        rest_mask[b, : len(s) - P] = 1
-    attention = torch.cat([torch.ones(B, P, dtype=torch.long, device=device), rest_mask], dim=1)
-    positions = torch.arange(P, P + T, device=device).unsqueeze(0).expand(B, -1)
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x / 4.x
-    tail = model(input_ids=rest, attention_mask=attention, position_ids=positions, **{cache_kw: cache})
-    # logits at position t predict token t+1: the prefix's last logit predicts rest[:, 0]
-    logits = torch.cat([head.logits[:, -1:].expand(B, -1, -1), tail.logits[:, :-1]], dim=1).float()
+        ids[b, :len(s)] = torch.tensor(s, device=device)
+        mask[b, :len(s)] = 1
+    logits = models.next_token_logits(model, ids, mask, P).float()
+    rest, rest_mask = ids[:, P:], mask[:, P:]
     logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, rest.unsqueeze(-1)).squeeze(-1)
     return logp * rest_mask, P
 

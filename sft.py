@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import math
 import os
@@ -846,28 +845,19 @@ def shared_prefix_len(batch: dict) -> int:
 def batch_loss(model, batch: dict, share_prefix: bool = True):
     """Summed token cross-entropy over labeled tokens, and their count: logits at t predict the token at t+1.
 
-    With share_prefix, the common prompt runs once (batch size 1, with gradient) into a KV cache repeated over
-    the batch; the rest of each row attends to it. Same loss and gradients as the plain batch, far less work."""
-    import torch
+    With share_prefix, the common prompt runs once (batch size 1, with gradient) into a KV cache shared by the
+    batch (model.next_token_logits); the rest of each row attends to it. Same loss and gradients as the plain
+    batch, far less work."""
     import torch.nn.functional as F
+
+    import model as models
 
     device = next(model.parameters()).device
     ids, attn, labels = (batch[k].to(device) for k in ("input_ids", "attention_mask", "labels"))
-    p = shared_prefix_len(batch) if share_prefix and ids.shape[0] > 1 else 0
-    if p >= 16:
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        model(input_ids=ids[:1, :p], use_cache=True, **{key: cache})           # the prefix, once
-        cache.batch_repeat_interleave(ids.shape[0])                            # shared by every row
-        logits = model(input_ids=ids[:, p:], attention_mask=attn, use_cache=True, **{key: cache}).logits
-        labels = labels[:, p:]
-    else:
-        logits = model(input_ids=ids, attention_mask=attn).logits
-    targets = labels[:, 1:]
-    loss_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
-                               reduction="sum")
+    start = 1 + (shared_prefix_len(batch) if share_prefix else 0)   # logits predict ids[:, start:]
+    logits = models.next_token_logits(model, ids, attn, start, share_prefix=share_prefix and start >= 16)
+    targets = labels[:, start:]
+    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
     return loss_sum, int((targets != -100).sum())
 
 

@@ -112,8 +112,8 @@ def test_no_gradient_from_system_user_or_tool_tokens(tokenizer, examples):
         def parameters(self):
             return iter([logits])
 
-        def __call__(self, input_ids, attention_mask):
-            return SimpleNamespace(logits=logits)
+        def __call__(self, input_ids, attention_mask, logits_to_keep=0):  # as transformers: the last N positions
+            return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
     labels = torch.where(batch["labels"] == -100, -100, ids)
     loss_sum, count = sft.batch_loss(FixedLogits(), {**batch, "input_ids": ids, "labels": labels}, share_prefix=False)
