@@ -693,6 +693,10 @@ def kill_everything_but_me(call: Call, iso: dict) -> None:
                 kill(call.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        try:  # wait until it is a zombie (not reaped: its pid stays ours): by then the kernel has re-parented
+            os.waitid(os.P_PID, call.pid, os.WEXITED | os.WNOWAIT)  # every child it had to us, the subreaper
+        except ChildProcessError:
+            pass
     for _ in range(100):
         others = [child for child in children_of(os.getpid()) if child != call.pid]
         if not others:
