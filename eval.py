@@ -567,6 +567,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=12288, help="response budget, tool tokens included")
     ap.add_argument("--limit", type=int, help="evaluate only the first N problems")
     ap.add_argument("--levels", default="1,2", help="generator levels for --data heldout")
+    ap.add_argument("--families", help="generator families for --data heldout, comma-separated (default: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=16, help="CPU engine: sequences decoded together")
     ap.add_argument("--show", type=int, default=0, help="print N trajectories readably")
@@ -580,7 +581,8 @@ def main(argv=None) -> int:
             raise ValueError("--samples and --limit must be at least 1")
         if args.data == "heldout":
             levels = tuple(int(x) for x in args.levels.split(","))
-            problems = tasks.heldout_problems(args.limit or 64, levels=levels)
+            families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
+            problems = tasks.heldout_problems(args.limit or 64, levels=levels, families=families)
         else:
             problems = tasks.load_problems(tasks.resolve_dataset(args.data), limit=args.limit)
         if not problems:

@@ -5,8 +5,7 @@ service; tool errors and timeouts are part of the learning signal (GRPO-RoC rank
 tool error rate, section 2.2.3). This module is that service for one machine. One call flows like this:
 
     await SandboxPool.run(code, stdin)                 parent process, asyncio, any event loop
-      -> queue -> handler thread i (one per worker)    blocking pipe I/O in threads, so the pool is bound to no loop;
-                                                       a thread takes a call only when its worker is "armed"
+      -> queue -> handler thread i (one per worker)    blocking pipe I/O in threads, so the pool is bound to no loop
       -> length-prefixed JSON -> worker i              a long-lived `python -I sandbox.py --worker`, one per core:
            W  (once)      new mount/net/ipc/uts namespaces; a read-only root on a tmpfs; a new PID namespace
            Z  (once)      PID 1 of that namespace: imports numpy, sympy and friends, then serves calls
@@ -14,8 +13,7 @@ tool error rate, section 2.2.3). This module is that service for one machine. On
                           clean environment, one rehearsal run), then: read code -> stdin from a memfd -> run as a
                           notebook cell (a final bare expression is printed) -> exception type on fd 3 -> exit
            Z              drains C's stdout/stderr (head + tail), enforces the wall-clock timeout and the output
-                          cap, kills every process in the namespace, classifies, replies, forks the next C and
-                          says "armed" (until then the pool sends calls to the other workers)
+                          cap, kills every process in the namespace, classifies, replies, forks the next C
       <- ExecResult(status, stdout, stderr, exit_code, duration_s) -> format_tool_response() -> <tool_response>
 
 Why this shape (bench/bench_sandbox.py measures it): a fork of a warm process that has already imported sympy costs
@@ -848,11 +846,7 @@ def serve(config: dict, iso: dict) -> None:
     try:
         while True:
             call = fork_call(config, iso, scratch_root)
-            try:
-                send_message(1, {"armed": True})  # the next call is forked and waiting: the pool may send one
-                request = read_message(0)
-            except BrokenPipeError:  # the pool has closed our pipes: shut down
-                request = None
+            request = read_message(0)
             if request is None:
                 kill_everything_but_me(call, iso)
                 return
@@ -912,7 +906,6 @@ class Worker:
     proc: subprocess.Popen
     isolation: dict
     calls: int = 0
-    armed: bool = False  # it has said that its next call is forked and waiting
 
 
 class SandboxPool:
@@ -1021,16 +1014,7 @@ class SandboxPool:
             ready.set_exception(e)
             return
         try:
-            while True:
-                # Take a request only once this worker's next call is forked (a few ms after its last reply):
-                # meanwhile another worker that is ready serves it, so the fork is never on a call's latency.
-                if worker is not None and not worker.armed and not self._wait_armed(worker):
-                    self._stop_worker(worker)  # dead or hung while idle: replaced at the next call
-                    worker = None
-                    with self._lock:
-                        self.stats["restarts"] += 1
-                if (item := self._queue.get()) is None:
-                    break
+            while (item := self._queue.get()) is not None:
                 request, future = item
                 if not future.set_running_or_notify_cancel():
                     continue  # the caller gave up before the call started
@@ -1075,20 +1059,9 @@ class SandboxPool:
                 if w is not None:
                     self._stop_worker(w)
 
-    def _wait_armed(self, worker: Worker, limit_s: float = 30.0) -> bool:
-        try:
-            message = read_message(worker.proc.stdout.fileno(), time.monotonic() + limit_s)
-        except (TimeoutError, OSError):
-            message = None
-        worker.armed = bool(message and message.get("armed"))
-        return worker.armed
-
     def _call(self, worker: Worker, request: dict) -> tuple[ExecResult, bool]:
         """Send one request and wait for its answer. Returns (result, whether the worker is still usable)."""
-        if not worker.armed and not self._wait_armed(worker):  # a fresh worker: its first call is being forked
-            return ExecResult("crashed", "", "sandbox worker died and was replaced", None, 0.0), False
         worker.calls += 1
-        worker.armed = False
         deadline = time.monotonic() + request["timeout_s"] + 10.0  # the worker enforces the timeout; this is a
         try:  # safety net against a supervisor that hangs
             send_message(worker.proc.stdin.fileno(), request)
