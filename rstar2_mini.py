@@ -205,10 +205,6 @@ def load_problem_source(cfg: Config):
 
     if cfg.data is None:
         families = cfg.families or None
-        try:  # unknown levels or families: one clear message now, not a traceback inside step 1
-            tasks.problem_at(0, seed=cfg.seed, split="train", levels=cfg.levels, families=families)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
         return lambda i: tasks.problem_at(i, seed=cfg.seed, split="train", levels=cfg.levels, families=families)
     try:
         problems = tasks.load_problems(tasks.resolve_dataset(cfg.data))
@@ -872,6 +868,12 @@ def parse_args(argv=None) -> Config:
         explicit.add("steps")
     cfg = Config(**values)
     cfg._explicit = explicit
+    import tasks
+
+    try:  # unknown generator levels or families: one clear line now, not a traceback inside step 1
+        tasks.problem_at(0, seed=cfg.seed, levels=cfg.levels, families=cfg.families or None)
+    except ValueError as e:
+        raise UsageError(f"--set levels/families: {e}") from None
     return cfg
 
 

@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--eval", action="append", default=[], help="NAME=result.json written by eval.py --out")
     ap.add_argument("--run", action="append", default=[], help="NAME=metrics.jsonl of an RL stage (repeat for seeds)")
     ap.add_argument("--out", default="docs")
+    ap.add_argument("--prefix", default="results", help="plots are written as PREFIX-models.png, PREFIX-training.png")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -76,7 +77,7 @@ def main() -> None:
             for i, v in enumerate(values):
                 ax.text(i, v, fmt(v), ha="center", va="bottom", fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / "results-models.png", dpi=90)
+        fig.savefig(out / f"{args.prefix}-models.png", dpi=90)
         plt.close(fig)
 
     # ---- runs: training curves, and the first-vs-last held-out numbers per run
@@ -102,7 +103,7 @@ def main() -> None:
                                    "steps": last.get("step"), "wall_s": sum(r.get("step_time_s", 0) for r in rows)})
         axes[0].legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / "results-training.png", dpi=90)
+        fig.savefig(out / f"{args.prefix}-training.png", dpi=90)
         plt.close(fig)
         for name, items in per_name.items():
             after = [i["heldout_after"] for i in items if i["heldout_after"] is not None]

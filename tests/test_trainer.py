@@ -255,6 +255,15 @@ def test_cli_unknown_option_override(tmp_path):
     assert r.returncode == 2 and "unknown option 'learning_rate'" in r.stderr
 
 
+def test_cli_generator_families(tmp_path):
+    cfg = R.parse_args(["--set", "families=product, modular_power", "--set", "levels=1,2"])
+    assert cfg.families == ("product", "modular_power") and cfg.levels == (1, 2)
+    assert R.parse_args([]).families == ("product", "modular_power")        # the CPU preset's two families
+    assert R.parse_args(["--preset", "paper"]).families == ()                # the paper preset: all of them
+    r = cli("--set", "families=product,bogus", "--out", str(tmp_path / "run"))
+    assert r.returncode == 2 and "unknown families ['bogus']" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_cli_malformed_data_line(tmp_path, tiny_model_dir):
     data = tmp_path / "train.jsonl"
     data.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "oops"\n')
