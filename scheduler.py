@@ -920,7 +920,8 @@ class Scheduler:
         best = max(fits, key=lambda i: (free[i], -i))
         if previous in fits and self.near_best(previous, free[best]):
             return previous
-        if previous is not None and self.cfg.prefix_wait and previous not in fits and self.near_best(previous, free[best]):
+        if previous is not None and previous not in fits and self.cfg.prefix_wait and \
+                self.near_best(previous, free[best]):
             return None  # its prefix is cached there and that engine is not overloaded: wait for it
         return best
 

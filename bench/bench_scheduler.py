@@ -18,7 +18,8 @@ Three routers on the same seeded step:
                   new tokens it may write fits; a continuation waits for the engine holding its prefix unless
                   that engine is overloaded; tool calls release capacity at once. A request may write at most
                   --chunk-tokens (default 512) new tokens, a longer turn continues in a next request
-                  (RolloutConfig.chunk_tokens); the same router reserving each turn's whole remaining budget is reported as balanced_whole_budget_s
+                  (RolloutConfig.chunk_tokens); the same router reserving each turn's whole remaining
+                  budget is reported as balanced_whole_budget_s
 
 Workload scale (defaults): 64 problems x 32 samples = 2048 rollouts on 8 engines, 256 per engine, as in the
 paper's stage 1 (512 prompts x 32 rollouts over 64 GPUs, one engine per GPU); 8K length budget and 10 turns
