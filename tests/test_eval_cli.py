@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def graded(reward, tool_calls=0, tool_errors=0, ok=0, text=""):
     t = scheduler.Trajectory("p", [1, 2, 3])
     t.segments = [scheduler.Segment([4, 5], 1, [0.0, 0.0])]
-    t.reward, t.tool_calls, t.tool_errors, t.response_text = reward, tool_calls, tool_errors, text
+    t.reward, t.tool_calls, t.tool_errors = reward, tool_calls, tool_errors
+    t.response_text = t.model_text = text  # no tool responses here: the model's text is the whole response
     t.tool_statuses = {"ok": ok} if ok else {}
     return t
 
