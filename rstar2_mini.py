@@ -1,6 +1,6 @@
 """rstar2_mini.py - the rStar2-Agent training recipe in one readable loop (arXiv 2508.20722, section 4).
 
-    python rstar2_mini.py --stage 1                 # laptop CPU: SFT if missing, then RL stage 1 (~30 min, 2 cores)
+    python rstar2_mini.py --stage 1                 # laptop CPU: SFT if missing, then RL stage 1 (~35 min, 2 cores)
     python rstar2_mini.py --stage all               # sft -> 1 (8K) -> 2 (12K) -> 3 (hard problems)
     python rstar2_mini.py --stage 1 --preset paper  # one 8-GPU node (see README: accelerate launch ...)
 
@@ -97,8 +97,8 @@ class Config:
 
 
 PRESETS = {
-    # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 take ~30 minutes.
-    # Measured (README): SFT 8.6 min; a step (8 problems x 8 rollouts, then the update) 2.5-3 min; all 28.8 min.
+    # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 take ~35 minutes.
+    # Measured (README): SFT 8.6 min; a step (8 problems x 8 rollouts, then the update) about 4 min; RL 24-30 min.
     # Problems: the two generator families in which the 135M model after SFT is sometimes right and sometimes
     # wrong (measured at T = 1, 3 problems x 8 samples each: product 12/24, modular_power 9/24; the other nine
     # families 0/24). A group of all-wrong rollouts has zero advantage and teaches nothing: on all eleven
