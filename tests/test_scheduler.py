@@ -224,7 +224,7 @@ def test_a_continuation_waits_for_the_engine_holding_its_prefix_without_blocking
     assert sched.pick_engine(req, None) == 1           # a request behind it may use engine 1
     assert sched.pick_engine(req, None, frozenset({1})) is None       # unless engine 1 is held for another
     assert sched.engines_awaited(None) == {0, 1}
-    sched.engines[0]._reserved = 3900                  # engine 0 now far more loaded (free 100 vs 600 + 1000)
+    sched.engines[0]._reserved = 3900                  # engine 0 now far more loaded (free 100 vs 3000)
     sched.engines[1]._reserved = 1000
     assert sched.pick_engine(req, 0) == 1              # it moves (and recomputes its prefix there)
     sched = S.Scheduler(sched.engines, S.RolloutConfig(prefix_wait=False), 1, 1)
