@@ -15,6 +15,7 @@ initialised model of the same (Llama) architecture with the real tokenizer, so t
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -145,15 +146,23 @@ def release_freed_memory() -> None:
     they fragment: a training run's resident size crept from 13 to 15 GB over 6 steps. Called after every
     merge of the engine's batch and after every rollout phase and update; it takes milliseconds (measured:
     a rollout round's peak 4.1 -> 3.9 GB and the resident size after it 3.0 -> 1.4 GB, same speed)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
+    """glibc's malloc_trim, looked up once (the library search takes about a millisecond); None without glibc."""
     import ctypes
     import ctypes.util
 
     if sys.platform != "linux":
-        return
+        return None
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc (musl): nothing to trim
-        pass
+        return None
 
 
 def next_token_logits(model, ids, attention_mask, start: int, share_prefix: bool = True):

@@ -297,8 +297,9 @@ def bind_readonly(source: str, target: str) -> None:
     mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | mount_flags_to_keep(target))
 
 
-def build_sandbox_root() -> None:
+def build_sandbox_root() -> list[str]:
     """A tmpfs that will become '/': read-only binds of the interpreter and system libraries, a few devices.
+    Returns the interpreter paths under /tmp, which every call's fresh /tmp must get again (fresh_scratch).
 
     The interpreter may live where the sandbox uid cannot enter (here /root/.pyenv, and /root is 0700): the
     directories leading to the bind mounts are created 0755 on our tmpfs, so the host's permissions are untouched
@@ -313,7 +314,8 @@ def build_sandbox_root() -> None:
             os.symlink(os.readlink(path), target)
         else:
             bind_readonly(os.path.realpath(path), target)
-    for path in interpreter_paths_in_tmp():
+    in_tmp = interpreter_paths_in_tmp()
+    for path in in_tmp:
         bind_readonly(os.path.realpath(path), NEW_ROOT + TMP_STASH + path)
     os.makedirs(NEW_ROOT + "/dev", exist_ok=True)
     for name in DEVICES:  # device nodes are bind mounts of the host's (creating nodes needs real root)
@@ -324,6 +326,7 @@ def build_sandbox_root() -> None:
         os.symlink(target, f"{NEW_ROOT}/dev/{name}")
     for name in ("tmp", "proc"):
         os.makedirs(f"{NEW_ROOT}/{name}", exist_ok=True)
+    return in_tmp
 
 
 def enter_sandbox_root() -> None:
@@ -355,9 +358,8 @@ def set_up_isolation(mode: str) -> tuple[dict, bool]:
         iso["error"] = str(e)
         return iso, False
     try:
-        build_sandbox_root()
+        iso["interpreter_in_tmp"] = build_sandbox_root()
         iso["filesystem"] = True
-        iso["interpreter_in_tmp"] = interpreter_paths_in_tmp()
     except OSError as e:
         iso["error"] = str(e)
     try:
