@@ -8,9 +8,10 @@ tool error rate, section 2.2.3). This module is that service for one machine. On
       -> queue -> handler thread i (one per worker)    blocking pipe I/O in threads, so the pool is bound to no loop
       -> length-prefixed JSON -> worker i              a long-lived `python -I sandbox.py --worker`, one per core:
            W  (once)      new mount/net/ipc/uts namespaces; a read-only root on a tmpfs; a new PID namespace
-           Z  (once)      PID 1 of that namespace: imports numpy, sympy and friends, then serves calls
+           Z  (once)      PID 1 of that namespace: imports numpy, sympy and friends, moves its heap onto 2 MB
+                          pages (a fork copies one page-table entry per page), then serves calls
            C  (per call)  forked by Z *before* the call arrives (fresh tmpfs on /tmp, rlimits, unprivileged uid,
-                          clean environment, one rehearsal run), then: read code -> stdin from a memfd -> run as a
+                          clean environment, its streams), then: read code -> stdin from a memfd -> run as a
                           notebook cell (a final bare expression is printed) -> exception type on fd 3 -> exit
            Z              drains C's stdout/stderr (head + tail), enforces the wall-clock timeout and the output
                           cap, kills every process in the namespace, classifies, replies, forks the next C
@@ -191,6 +192,7 @@ MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+MADV_HUGEPAGE, MADV_COLLAPSE, HUGE_PAGE = 14, 25, 2 << 20  # MADV_COLLAPSE: Linux 6.1+
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -470,16 +472,21 @@ def drop_privileges(uid: int, kind: str) -> None:
 
 
 ORIGINAL_STREAMS: list = []  # Z's sys.stdin/stdout/stderr, kept alive so their finalizers never close fds 0-2
+CALL_STREAMS: list = []  # the calls' text streams on fds 0-2: built once by Z, unused there, inherited by each fork
+
+
+def build_call_streams() -> None:
+    """Text streams on fds 0-2 for the calls; stdout line-buffered so a timeout still returns what was printed.
+    Z builds them once and never uses them; every call installs its own (forked) copy: ~0.2 ms a call saved."""
+    CALL_STREAMS[:] = [open(0, "r", encoding="utf-8", errors="replace", closefd=False),
+                       open(1, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False),
+                       open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)]
 
 
 def connect_streams() -> None:
-    """Fresh text streams on fds 0-2; stdout line-buffered so a timeout still returns what was printed."""
+    """In the call: sys.stdin/stdout/stderr become the fresh streams on fds 0-2."""
     ORIGINAL_STREAMS.extend([sys.stdin, sys.stdout, sys.stderr])
-    sys.stdin = sys.__stdin__ = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
-    sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="backslashreplace", buffering=1,
-                                       closefd=False)
-    sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1,
-                                       closefd=False)
+    sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__ = CALL_STREAMS
 
 
 def compile_cell(code: str) -> tuple[types.CodeType, types.CodeType | None]:
@@ -554,16 +561,11 @@ def child_main(config: dict, iso: dict, fds: tuple[int, int, int, int], scratch:
     set_limits(config, iso["kind"])
     os.chdir(scratch)
     drop_privileges(sandbox_uid(config), iso["kind"])
-    os.environ.clear()
-    os.environ.update(SANDBOX_ENV)
-    connect_streams()
+    connect_streams()  # (the environment is already SANDBOX_ENV: Z set it once, see worker_main)
     sys.argv = ["-c"]
     sys.path.insert(0, "")  # as with `python -c`: modules written to the scratch directory can be imported
     if "numpy.random" in sys.modules:  # fork copies numpy's global random state: give every call its own seed
         sys.modules["numpy.random"].seed(int.from_bytes(os.urandom(4), "little"))  # (stdlib random reseeds itself)
-
-    run_cell("pass", fresh_main())  # a rehearsal: pages the real run touches take their copy-on-write faults now
-    json.dumps({"exit_code": 0, "exception": None})
 
     request = read_message(0)  # -- everything above ran before the call was asked for; the clock starts here
     if request is None:
@@ -865,12 +867,37 @@ def serve(config: dict, iso: dict) -> None:
             shutil.rmtree(scratch_root, ignore_errors=True)
 
 
+def collapse_heap_into_huge_pages() -> int:
+    """Back Z's heap (numpy and sympy's objects: ~48 MB) with 2 MB pages; returns how many MB it moved.
+
+    Every call costs one fork, which copies a page-table entry per resident 4 KB page, and one exit, which tears
+    them all down again: with sympy loaded that is ~15,000 entries each way and most of a call's CPU time (perf:
+    copy_page_range and exit_mmap). A 2 MB page is one entry. A page the call writes is still copied on its own
+    (the kernel splits the huge mapping first), so calls stay exactly as isolated. Measured on 2 cores: an empty
+    fork + exit 2.8 -> 1.7 ms. Where the kernel has no MADV_COLLAPSE (before Linux 6.1), nothing changes."""
+    moved = 0
+    with open("/proc/self/maps") as f:
+        regions = [line.split() for line in f]
+    for fields in regions:
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        anonymous = len(fields) < 6 or fields[5] == "[heap]"
+        start, end = -(-low // HUGE_PAGE) * HUGE_PAGE, high // HUGE_PAGE * HUGE_PAGE  # whole 2 MB pages inside
+        if not (fields[1].startswith("rw") and anonymous and end > start):
+            continue
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_COLLAPSE) == 0:
+            moved += (end - start) >> 20
+    return moved
+
+
 def worker_main(config: dict) -> None:
     """Entry point of a worker process (`python -I sandbox.py --worker CONFIG`)."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the pool's handler thread dies -> so do we
     if os.getppid() != config["parent_pid"]:
         os._exit(1)  # the pool died before we could ask to follow it
     os.umask(0o022)
+    os.environ.clear()  # what every call's code sees (the pool started us with it; made certain here, once)
+    os.environ.update(SANDBOX_ENV)
     iso, fork_init = set_up_isolation(config["isolation"])
     if fork_init:  # W forks Z, the PID namespace's init, and waits for it
         pid = os.fork()
@@ -895,7 +922,10 @@ def worker_main(config: dict) -> None:
                 __import__(name)
             except Exception:  # noqa: BLE001 - a convenience, not a requirement
                 pass
-    send_message(1, {"ready": True, "isolation": iso, "preload_failed": failed})
+    build_call_streams()
+    gc.collect()
+    huge_mb = collapse_heap_into_huge_pages()
+    send_message(1, {"ready": True, "isolation": iso, "preload_failed": failed, "huge_pages_mb": huge_mb})
     serve(config, iso)
 
 
@@ -923,7 +953,7 @@ class SandboxPool:
                                     preload=tuple(preload), **options)
         self.workers = workers or len(os.sched_getaffinity(0))
         self.isolation: dict = {}
-        self.stats = {"calls": 0, "restarts": 0, "recycled": 0}
+        self.stats = {"calls": 0, "restarts": 0, "recycled": 0, "huge_pages_mb": 0}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._worker_pids: set[int] = set()
@@ -1096,6 +1126,7 @@ class SandboxPool:
             raise RuntimeError(f"sandbox worker failed to start (exit code {proc.poll()})")
         if hello["preload_failed"]:
             warnings.warn(f"sandbox: preload failed: {hello['preload_failed']}", RuntimeWarning)
+        self.stats["huge_pages_mb"] = hello["huge_pages_mb"]  # the latest worker's (see collapse_heap_into_huge_pages)
         return Worker(proc, hello["isolation"])
 
     def _start_worker(self, index: int) -> Worker:
