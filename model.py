@@ -71,7 +71,7 @@ def _fetch_gguf(cache: Path) -> Path:
 def _convert_gguf(gguf: Path, dest: Path) -> None:
     """De-quantize once and save a plain safetensors copy (atomically: write to a temp dir, then rename)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"[model] converting {gguf.name} to a float32 safetensors copy in {dest} (once, ~20 s)", flush=True)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

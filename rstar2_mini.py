@@ -2,7 +2,7 @@
 
     python rstar2_mini.py --stage 1                 # laptop CPU: SFT if missing, then RL stage 1 (~35 min, 2 cores)
     python rstar2_mini.py --stage all               # sft -> 1 (8K) -> 2 (12K) -> 3 (hard problems)
-    python rstar2_mini.py --stage 1 --preset paper  # one 8-GPU node (see README: accelerate launch ...)
+    torchrun --nproc-per-node 8 rstar2_mini.py --stage all --preset paper --model M   # one 8-GPU node (README)
 
 The recipe (paper section 4): a non-reasoning SFT that only teaches the tool-call format (sft.py), then RL with
 GRPO-RoC in three stages: max length 8K with 10 turns, then 12K, then 12K with 15 turns on the problems the
@@ -25,15 +25,18 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import os
 import random
 import resource
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from distributed import (DIST, all_ranks_sum, clip_gradients, close_distributed, from_rank0, full_state,
+                         init_distributed, load_optimizer_state, my_micro_batches, pack_micro_batches, rank_shares,
+                         shard_policy)
 
 # ----------------------------------------------------------------------------------------------------------
 # Configuration: every hyperparameter in one dataclass, with its paper value; presets scale it to the machine.
@@ -133,7 +136,8 @@ class UsageError(Exception):
 
 
 def log(msg: str) -> None:
-    print(msg, flush=True)
+    if DIST.rank == 0:  # under torchrun, one voice
+        print(msg, flush=True)
 
 
 def peak_memory_gb() -> float:
@@ -244,9 +248,10 @@ def shared_prefix_length(seqs: list[list[int]]) -> int:
     return max(n, 1)
 
 
-def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0):
+def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share_prefix: bool = True):
     """log pi(x_t | x_<t) for every token after the shared prefix. Returns (logprobs [B, T], start index P):
-    logprobs[b, j] is the log-probability of seqs[b][P + j] (zero where the row is padding)."""
+    logprobs[b, j] is the log-probability of seqs[b][P + j] (zero where the row is padding). share_prefix=False
+    forwards the prefix with every row (one forward pass whatever the data: what FSDP's ranks need)."""
     import torch
 
     import model as models
@@ -259,24 +264,10 @@ def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0):
     for b, s in enumerate(seqs):
         ids[b, :len(s)] = torch.tensor(s, device=device)
         mask[b, :len(s)] = 1
-    logits = models.next_token_logits(model, ids, mask, P).float()
+    logits = models.next_token_logits(model, ids, mask, P, share_prefix).float()
     rest, rest_mask = ids[:, P:], mask[:, P:]
     logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, rest.unsqueeze(-1)).squeeze(-1)
     return logp * rest_mask, P
-
-
-def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Greedy packing of trajectories (sorted by length) into micro-batches of at most max_tokens padded tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches, current = [], []
-    for i in order:
-        if current and (len(current) + 1) * lengths[i] > max_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -302,7 +293,8 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(run_dir: Path, model, tokenizer, trainer_state: dict, keep: int = 2) -> Path:
+def save_checkpoint(run_dir: Path, model, tokenizer, trainer_state: dict, keep: int = 2, weights=None) -> Path:
+    """weights: the full state dict when the model itself is sharded (FSDP), else None (the model's own)."""
     import torch
 
     ckpts = run_dir / "checkpoints"
@@ -312,7 +304,7 @@ def save_checkpoint(run_dir: Path, model, tokenizer, trainer_state: dict, keep: 
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=weights)
     tokenizer.save_pretrained(tmp)
     torch.save(trainer_state, tmp / "trainer_state.pt")
     final = ckpts / name
@@ -480,67 +472,82 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
 
 def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: random.Random,
                   loss_sign: float = 1.0) -> dict:
-    """Old log-probs, then `minibatches` optimizer steps of the clipped token-level loss (paper eq. in grpo_roc)."""
+    """Old log-probs, then `minibatches` optimizer steps of the clipped token-level loss (paper eq. in grpo_roc).
+
+    Under torchrun every rank runs this with the same `kept` and `rng` (broadcast by rank 0) and takes its share
+    of each mini-batch (rank_shares); FSDP sums the gradients of all ranks into every shard."""
     import torch
 
     import grpo_roc
 
-    model = rt.model
+    model, world = rt.model, DIST.world  # world > 1 under torchrun (distributed.py)
     seqs = [t.input_ids for t, _ in kept]
     masks = [t.loss_mask for t, _ in kept]
     advs = [a for _, a in kept]
     lengths = [len(s) for s in seqs]
+    backward = rt.accelerator.backward if rt.accelerator is not None else torch.Tensor.backward
+
+    def logprobs(mb):
+        """log pi for a micro-batch; None is a rank's empty pass (distributed.my_micro_batches)."""
+        batch = [seqs[i] for i in mb] if mb is not None else [seqs[0][:2]]
+        return token_logprobs(model, batch, cfg.temperature, share_prefix=world == 1)
+
+    order = list(range(len(seqs)))
+    rng.shuffle(order)
+    chunks = [order[k::cfg.minibatches] for k in range(cfg.minibatches)]
+    shares = [rank_shares(chunk, lengths) for chunk in chunks]  # shares[chunk][rank]: that rank's items
+
+    def micro_batches(per_rank):  # this rank's, packed by tokens, padded to the busiest rank's count
+        return my_micro_batches([[[items[j] for j in mb] for mb in
+                                  pack_micro_batches([lengths[i] for i in items], cfg.micro_batch_tokens)]
+                                 for items in per_rank])
 
     # Old log-probs pi_old: recomputed by the trainer (not the engine's) so rho = 1 exactly at the first update.
     old = [None] * len(seqs)
     model.eval()
     with torch.no_grad():
-        for mb in pack_micro_batches(lengths, cfg.micro_batch_tokens):
-            logp, P = token_logprobs(model, [seqs[i] for i in mb], cfg.temperature)
-            for row, i in enumerate(mb):
+        for mb in micro_batches([sum((s[r] for s in shares), []) for r in range(world)]):
+            logp, P = logprobs(mb)
+            for row, i in enumerate(mb or []):
                 old[i] = (logp[row, : lengths[i] - P].clone(), P)
     model.train()
 
-    order = list(range(len(seqs)))
-    rng.shuffle(order)
-    chunks = [order[k::cfg.minibatches] for k in range(cfg.minibatches)]
     losses, clip_fracs, grad_norms, tokens = [], [], [], 0
-    for chunk in chunks:
+    for chunk, share in zip(chunks, shares):
         if not chunk:
             continue
-        # the token-level mean runs over every model token of the mini-batch, across its micro-batches
+        # the token-level mean runs over every model token of the mini-batch, across micro-batches and ranks
         n_tokens = sum(sum(masks[i]) for i in chunk)
         optimizer.zero_grad(set_to_none=True)
         loss_total, clipped = 0.0, 0.0
-        for mb in pack_micro_batches([lengths[i] for i in chunk], cfg.micro_batch_tokens):
-            ids = [chunk[j] for j in mb]
-            logp, P = token_logprobs(model, [seqs[i] for i in ids], cfg.temperature)
-            T = logp.shape[1]
+        for mb in micro_batches(share):
+            logp, P = logprobs(mb)
+            if mb is None:
+                backward(logp.sum() * 0.0)  # no items left on this rank: a zero gradient, the collectives in step
+                continue
             old_lp = torch.zeros_like(logp)
             mask = torch.zeros_like(logp)
-            for row, i in enumerate(ids):
+            for row, i in enumerate(mb):
                 o, Po = old[i]
                 shift = P - Po  # the shared prefix may differ between packings; align by absolute position
-                o = o[shift:] if shift >= 0 else torch.cat([torch.zeros(-shift), o])
+                o = o[shift:] if shift >= 0 else torch.cat([torch.zeros(-shift, device=o.device), o])
                 old_lp[row, : len(o)] = o
                 m = torch.tensor(masks[i][P:], dtype=logp.dtype)
                 mask[row, : len(m)] = m
-            adv = torch.tensor([advs[i] for i in ids], dtype=logp.dtype)
+            adv = torch.tensor([advs[i] for i in mb], dtype=logp.dtype, device=logp.device)
             loss, st = grpo_roc.policy_loss(logp, old_lp, adv, mask, cfg.clip_low, cfg.clip_high,
                                             num_tokens=n_tokens, return_stats=True)
             loss = loss_sign * loss
-            if rt.accelerator is not None:
-                rt.accelerator.backward(loss)
-            else:
-                loss.backward()
+            backward(loss * world)  # FSDP averages the ranks' gradients; the loss is their sum
             loss_total += loss.item()
             clipped += st["clip_frac"] * st["num_tokens"]
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        loss_total, clipped = all_ranks_sum([loss_total, clipped])
+        grad_norm = clip_gradients(model, cfg.grad_clip)
         optimizer.step()
         scheduler_lr.step()
         losses.append(loss_total)
         clip_fracs.append(clipped / max(n_tokens, 1))
-        grad_norms.append(float(grad_norm))
+        grad_norms.append(grad_norm)
         tokens += sum(lengths[i] for i in chunk)
     return {"loss": sum(losses) / len(losses) if losses else None,
             "clip_frac": sum(clip_fracs) / len(clip_fracs) if clip_fracs else None,
@@ -577,6 +584,25 @@ def write_samples(run_dir: Path, step: int, kept, rt: Runtime, k: int) -> None:
     (d / f"step_{step:04d}.md").write_text("\n".join(lines))
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Under torchrun (distributed.py): rank 0 decides, the others follow
+
+
+def on_rank0(fn, *args):
+    """Run fn on rank 0 only; every rank returns its result or raises its UsageError (so no rank is left waiting
+    in a collective that rank 0 will never join)."""
+    result, error = None, None
+    if DIST.rank == 0:
+        try:
+            result = fn(*args)
+        except UsageError as e:
+            error = str(e)
+    result, error = from_rank0((result, error))
+    if error is not None:
+        raise UsageError(error)
+    return result
+
+
 def make_optimizer(model, cfg: Config):
     import torch
 
@@ -588,20 +614,25 @@ def make_optimizer(model, cfg: Config):
 
 def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at, start=None,
                 reset_optimizer: bool = False, loss_sign: float = 1.0) -> dict:
-    """The RL loop of one stage. `start` is the trainer state of a checkpoint to continue from (resume), or None."""
+    """The RL loop of one stage. `start` is the trainer state of a checkpoint to continue from (resume), or None.
+    Under torchrun, rank 0 does everything but the other ranks' share of the update (distributed.py)."""
     from tqdm.auto import tqdm
 
     import model as models
     import scheduler
 
+    lead = DIST.rank == 0  # rollouts, evaluations, logs and checkpoints happen here
     optimizer, schedule = make_optimizer(rt.model, cfg)
     if rt.accelerator is not None:  # GPU: accelerate wraps the model for bf16 autocast
         rt.model, optimizer = rt.accelerator.prepare(rt.model, optimizer)
     step, cursor = 0, 0
     rng = random.Random(cfg.seed)
     if start is not None:
+        if start.get("world", 1) != DIST.world:
+            raise UsageError(f"the checkpoint was written by {start.get('world', 1)} process(es) and this run has "
+                             f"{DIST.world}: resume with the same number (torchrun --nproc-per-node)")
         if not reset_optimizer and start.get("optimizer") is not None:
-            optimizer.load_state_dict(start["optimizer"])
+            load_optimizer_state(rt.model, optimizer, start["optimizer"])
             schedule.load_state_dict(start["schedule"])
         if start.get("stage") == stage:  # resuming this very stage: continue its counters and randomness
             step, cursor = start["step"], start["cursor"]
@@ -610,9 +641,9 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
         elif stage == "2":  # stage 2 trains on the same data with a longer budget: continue the data cursor
             cursor = start.get("cursor", 0)
     metrics_path = run_dir / "metrics.jsonl"
-    if step == 0 and metrics_path.exists():
+    if lead and step == 0 and metrics_path.exists():
         metrics_path.unlink()
-    if step > 0 and metrics_path.exists():  # drop lines logged after the checkpoint (a run killed mid-way)
+    if lead and step > 0 and metrics_path.exists():  # drop lines logged after the checkpoint (a run killed mid-way)
         rows = [line for line in metrics_path.read_text().splitlines() if line.strip()]
         rows = [r for r in rows if json.loads(r).get("step", 0) <= step]
         metrics_path.write_text("".join(r + "\n" for r in rows))
@@ -620,7 +651,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     import tasks
 
     heldout = tasks.heldout_problems(cfg.eval_problems, seed=1234, levels=cfg.levels, families=cfg.families or None)
-    if step == 0 and cfg.eval_problems > 0:
+    if lead and step == 0 and cfg.eval_problems > 0:
         before = heldout_accuracy(rt, cfg, heldout)
         log(f"[stage {stage}] held-out accuracy before RL: {before['heldout_acc']:.3f} "
             f"({cfg.eval_problems} problems x {cfg.eval_samples} samples)")
@@ -628,49 +659,69 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
             f.write(json.dumps({"step": 0, **before}) + "\n")
 
     reset_peak_memory()
-    bar = tqdm(total=cfg.steps, initial=step, desc=f"stage {stage} RL steps", unit="step")
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"stage {stage} RL steps", unit="step", disable=not lead)
     last = {}
     while step < cfg.steps:
         t0 = time.time()
-        kept, stats, cursor, all_trajs = select_step_batch(rt, cfg, problem_at, cursor, step, rng)
-        models.release_freed_memory()
+        kept, stats, all_trajs = [], {}, []
+        if lead:
+            kept, stats, cursor, all_trajs = select_step_batch(rt, cfg, problem_at, cursor, step, rng)
+            models.release_freed_memory()
+        kept, roc_rng = from_rank0((kept, rng.getstate()))  # every rank updates on the same batch, same order
+        rng.setstate(roc_rng)
         t_roll = time.time() - t0
         update = {"loss": None, "clip_frac": None, "grad_norm": None, "train_tokens": 0}
         if any(abs(a) > 0 for _, a in kept):
             update = policy_update(rt, cfg, optimizer, schedule, kept, rng, loss_sign)
-            scheduler.sync_weights(rt.engines, unwrapped(rt))  # weight sync: the next rollouts sample the new policy
+            weights, _ = full_state(rt.model)
+            if lead:  # weight sync: the next rollouts sample the new policy
+                scheduler.sync_weights(rt.engines, weights if weights is not None else unwrapped(rt))
+            del weights
             models.release_freed_memory()
         step += 1
-        dt = time.time() - t0
-        gen_tokens = sum(t.num_model_tokens for t in all_trajs)
-        row = {"step": step, "stage": stage, **stats, **update, "rollout_time_s": round(t_roll, 2),
-               "step_time_s": round(dt, 2), "gen_tokens_per_s": round(gen_tokens / max(t_roll, 1e-9), 1),
-               "train_tokens_per_s": round(update["train_tokens"] / max(dt - t_roll, 1e-9), 1),
-               "peak_mem_gb": round(peak_memory_gb(), 2), "cursor": cursor}
         final = step == cfg.steps
-        if final and cfg.eval_problems > 0:
-            row.update(heldout_accuracy(rt, cfg, heldout))
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        write_samples(run_dir, step, kept, rt, cfg.samples_per_step)
-        bar.update(1)
-        bar.set_postfix(reward=f"{stats['reward']:.2f}", kept=stats["groups_kept"],
-                        loss=f"{update['loss']:.4f}" if update["loss"] is not None else "-")
-        log(f"step {step:4d} | reward {stats['reward']:.3f} | groups kept {stats['groups_kept']}/"
-            f"{stats['problems_drawn']} | tool calls/traj {stats['tool_calls_per_traj']:.2f} | "
-            f"tool err {stats['tool_error_rate'] if stats['tool_error_rate'] is not None else float('nan'):.2f} | "
-            f"len {stats['response_len']:.0f} | loss {update['loss'] if update['loss'] is not None else float('nan'):.4f}"
-            f" | {dt:.1f}s | {row['peak_mem_gb']:.1f} GB")
-        if step % cfg.save_every == 0 or final:
-            state = {"step": step, "cursor": cursor, "stage": stage, "optimizer": optimizer.state_dict(),
-                     "schedule": schedule.state_dict(), "rng": rng_state(), "roc_rng": rng.getstate(),
-                     "config": dataclasses.asdict(cfg)}
-            save_checkpoint(run_dir, unwrapped(rt), rt.tokenizer, state)
-            plot_curves(metrics_path, run_dir / "curves.png")
-        last = row
+        if lead:
+            last = log_step(rt, cfg, stage, run_dir, step, stats, update, kept, all_trajs, t0, t_roll, cursor,
+                            heldout if final and cfg.eval_problems > 0 else None, bar)
+        if step % cfg.save_every == 0 or final:  # after the metrics line: a resume drops lines past its step
+            weights, opt_state = full_state(rt.model, optimizer)
+            if lead:
+                state = {"step": step, "cursor": cursor, "stage": stage, "optimizer": opt_state,
+                         "schedule": schedule.state_dict(), "rng": rng_state(), "roc_rng": rng.getstate(),
+                         "world": DIST.world, "config": dataclasses.asdict(cfg)}
+                save_checkpoint(run_dir, unwrapped(rt), rt.tokenizer, state, weights=weights)
+                plot_curves(metrics_path, run_dir / "curves.png")
+            del weights, opt_state
     bar.close()
-    plot_curves(metrics_path, run_dir / "curves.png")
+    if lead:
+        plot_curves(metrics_path, run_dir / "curves.png")
     return last
+
+
+def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, stats: dict, update: dict, kept,
+             all_trajs, t0: float, t_roll: float, cursor: int, heldout, bar) -> dict:
+    """One line of metrics.jsonl (the final held-out evaluation too), the samples, the progress bar, the curves."""
+    dt = time.time() - t0
+    gen_tokens = sum(t.num_model_tokens for t in all_trajs)
+    row = {"step": step, "stage": stage, **stats, **update, "rollout_time_s": round(t_roll, 2),
+           "step_time_s": round(dt, 2), "gen_tokens_per_s": round(gen_tokens / max(t_roll, 1e-9), 1),
+           "train_tokens_per_s": round(update["train_tokens"] / max(dt - t_roll, 1e-9), 1),
+           "peak_mem_gb": round(peak_memory_gb(), 2), "cursor": cursor}
+    if heldout is not None:
+        row.update(heldout_accuracy(rt, cfg, heldout))
+    metrics_path = run_dir / "metrics.jsonl"
+    with metrics_path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    write_samples(run_dir, step, kept, rt, cfg.samples_per_step)
+    bar.update(1)
+    bar.set_postfix(reward=f"{stats['reward']:.2f}", kept=stats["groups_kept"],
+                    loss=f"{update['loss']:.4f}" if update["loss"] is not None else "-")
+    log(f"step {step:4d} | reward {stats['reward']:.3f} | groups kept {stats['groups_kept']}/"
+        f"{stats['problems_drawn']} | tool calls/traj {stats['tool_calls_per_traj']:.2f} | "
+        f"tool err {stats['tool_error_rate'] if stats['tool_error_rate'] is not None else float('nan'):.2f} | "
+        f"len {stats['response_len']:.0f} | loss {update['loss'] if update['loss'] is not None else float('nan'):.4f}"
+        f" | {dt:.1f}s | {row['peak_mem_gb']:.1f} GB")
+    return row
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -713,17 +764,22 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
         raise UsageError("engine=vllm needs a CUDA or ROCm GPU; use engine=transformers on a CPU")
     tokenizer = models.load_tokenizer(model_path)
     policy = models.load_model(model_path, dtype=torch.float32, device=device)  # fp32 master weights
+    if DIST.world > 1:
+        policy = shard_policy(policy, bf16=device == "cuda")
     loop = asyncio.new_event_loop()
-    if use_vllm:
-        engines = scheduler.VLLMEngine.launch(str(model_path), loop, seed=cfg.seed,
-                                              max_model_len=cfg.max_response_tokens + 2048)
-    else:
-        engines = [scheduler.TransformersEngine(models.load_model(model_path, device=device), tokenizer,
-                                                max_batch=cfg.engine_batch, device=device)]
-    pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s)
-    loop.run_until_complete(pool.start())
+    engines, pool = [], None
+    if DIST.rank == 0:  # the rollout side lives on rank 0 only
+        if use_vllm:  # under torchrun the GPUs also hold the trainer's shards: vLLM takes less of each
+            engines = scheduler.VLLMEngine.launch(str(model_path), loop, seed=cfg.seed,
+                                                  max_model_len=cfg.max_response_tokens + 2048,
+                                                  gpu_memory_utilization=0.85 if DIST.world == 1 else 0.5)
+        else:
+            engines = [scheduler.TransformersEngine(models.load_model(model_path, device=device), tokenizer,
+                                                    max_batch=cfg.engine_batch, device=device)]
+        pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s)
+        loop.run_until_complete(pool.start())
     accelerator = None
-    if device == "cuda":
+    if device == "cuda" and DIST.world == 1:  # (FSDP's mixed-precision policy does this under torchrun)
         from accelerate import Accelerator
 
         accelerator = Accelerator(mixed_precision="bf16")  # bf16 autocast on GPU; fp32 on CPU (no accelerator)
@@ -736,12 +792,16 @@ def unwrapped(rt: Runtime):
 
 
 def close_runtime(rt: Runtime) -> None:
-    rt.loop.run_until_complete(rt.pool.close())
+    if rt.pool is not None:
+        rt.loop.run_until_complete(rt.pool.close())
     rt.loop.close()
 
 
 def run_sft_stage(cfg: Config, base_model: Path) -> Path:
-    """Non-reasoning SFT (paper 4.1) into out/sft; returns the checkpoint directory."""
+    """Non-reasoning SFT (paper 4.1) into out/sft; returns the checkpoint directory. Under torchrun every rank
+    takes part (sft.py shards the model like the RL update); rank 0 writes the files."""
+    import torch
+
     import model as models
     import sft
 
@@ -750,17 +810,20 @@ def run_sft_stage(cfg: Config, base_model: Path) -> Path:
     if (ckpt / "config.json").exists():
         log(f"[sft] using the SFT checkpoint {ckpt}")
         return ckpt
-    d.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(d / "config.json", dataclasses.asdict(cfg) | {"stage": "sft"})
+    if DIST.rank == 0:
+        d.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(d / "config.json", dataclasses.asdict(cfg) | {"stage": "sft"})
     log(f"[sft] no SFT checkpoint in {d}: running the non-reasoning SFT first ({cfg.sft_examples} examples, "
         f"{cfg.sft_epochs} epoch(s))")
     tokenizer = models.load_tokenizer(base_model)
-    policy = models.load_model(base_model)
+    policy = models.load_model(base_model, dtype=torch.float32,  # fp32 master weights, as in RL
+                               device="cuda" if torch.cuda.is_available() else "cpu")
     scfg = sft.SFTConfig(n_examples=cfg.sft_examples, epochs=cfg.sft_epochs, lr=cfg.sft_lr,
                          batch_size=cfg.sft_batch, seed=cfg.seed)
 
-    metrics = sft.run_sft(policy, tokenizer, scfg, ckpt)  # starts its own sandbox pool for the tool outputs
-    write_json_atomic(d / "metrics.json", metrics)
+    metrics = sft.run_sft(policy, tokenizer, scfg, ckpt, log=log)  # starts its own sandbox pool (rank 0)
+    if DIST.rank == 0:
+        write_json_atomic(d / "metrics.json", metrics)
     return ckpt
 
 
@@ -777,7 +840,7 @@ def run_rl_stage(cfg: Config, stage: str, base_model: Path, loss_sign: float = 1
     import torch
 
     scfg = apply_stage(cfg, stage)
-    run_dir = prepare_run_dir(scfg, stage)
+    run_dir = on_rank0(prepare_run_dir, scfg, stage)
     start, init = None, None
     resumed = latest_checkpoint(run_dir) if cfg.resume else None
     if resumed is not None:
@@ -799,7 +862,7 @@ def run_rl_stage(cfg: Config, stage: str, base_model: Path, loss_sign: float = 1
     try:
         problem_at = load_problem_source(scfg)
         if stage == "3":
-            hard = hard_subset(rt, scfg, problem_at)
+            hard = on_rank0(hard_subset, rt, scfg, problem_at)
             if not hard:
                 log("[stage 3] the policy solves every scanned problem 8/8: nothing left to train on")
                 return {}
@@ -900,6 +963,7 @@ def coerce(key: str, raw: str):
 def main(argv=None) -> int:
     try:
         cfg = parse_args(argv)
+        init_distributed()  # under torchrun: join the other ranks (distributed.py)
         import model as models
 
         base = models.resolve_model(cfg.model)
@@ -911,6 +975,7 @@ def main(argv=None) -> int:
                 last = run_rl_stage(cfg, stage, base)
                 if last:
                     log(f"[stage {stage}] done: {stage_dir(cfg, stage)} (metrics.jsonl, curves.png, checkpoints/)")
+        close_distributed()
         return 0
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)

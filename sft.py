@@ -25,9 +25,11 @@ calls (one, a check with a second method, an error then a fix) are all drawn at 
 early, so the model learns the format but keeps a spread of behaviours for RL to choose from.
 
 Speed: every generated example starts with the same ~450-token system prompt. `batch_loss` runs that shared
-prefix once per batch (batch size 1, with gradient) and lets each example attend to its cached keys/values; the
-loss and the gradients are exactly those of the plain padded batch (tests/test_sft.py checks this), at a
-fraction of the cost on a CPU.
+prefix once per micro-batch (batch size 1, with gradient) and lets each example attend to its cached keys/values;
+the loss and the gradients are exactly those of the plain padded batch (tests/test_sft.py checks this), at a
+fraction of the cost on a CPU. Memory: a batch of 8 runs in micro-batches of at most `micro_batch_tokens` padded
+response tokens whose gradients add up to the batch's (activations and the 49K-wide logits grow with the
+micro-batch: whole batches peaked at 14.6 GB). Under torchrun the ranks share each batch (distributed.py).
 
     python sft.py --out runs/sft-probe          # the CPU preset on the bundled SmolLM2-135M-Instruct
 """
@@ -47,6 +49,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import date, timedelta
 from pathlib import Path
 
+from distributed import (DIST, all_ranks_sum, clip_gradients, from_rank0, full_state, my_micro_batches,
+                         pack_micro_batches, rank_shares, shard_policy)
 from scheduler import (IM_END, IM_START, TOOL_NAME, Segment, Trajectory, encode, render_prompt,
                        tool_response_text)
 
@@ -70,6 +74,9 @@ class SFTConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0           # global gradient-norm clip
     batch_size: int = 8              # examples per optimizer step (paper: not stated)
+    micro_batch_tokens: int = 1536   # rows x longest response per forward/backward (padded); gradients
+                                     # accumulate up to batch_size. Peak memory follows it (README: 8 whole
+                                     # batches of 8 peaked at 14.6 GB)
     max_steps: int | None = None     # cap on optimizer steps (None: epochs decide)
     max_tokens: int = 1024           # longer examples are dropped (paper: not stated for SFT)
     heldout_examples: int = 16       # generated with another seed; early stopping watches their loss
@@ -861,6 +868,34 @@ def batch_loss(model, batch: dict, share_prefix: bool = True):
     return loss_sum, int((targets != -100).sum())
 
 
+def my_micro_batches_of(examples: list[Trajectory], max_tokens: int) -> list:
+    """The examples in micro-batches of at most max_tokens padded response tokens (rows x the longest response
+    among them: what activations and logits grow with; the shared prompt runs once per micro-batch). Under
+    torchrun: this rank's token-balanced share, padded with None up to the busiest rank's count (an empty pass,
+    distributed.py)."""
+    lengths = [len(t.input_ids) - len(t.prompt_ids) for t in examples]
+    return my_micro_batches([[[examples[mine[j]] for j in mb]
+                              for mb in pack_micro_batches([lengths[i] for i in mine], max_tokens)]
+                             for mine in rank_shares(list(range(len(examples))), lengths)])
+
+
+def accumulate_gradients(model, examples: list[Trajectory], cfg: SFTConfig, pad_id: int) -> float:
+    """Gradients of the token-level mean loss over the whole batch, in micro-batches of cfg.micro_batch_tokens:
+    L = sum_mb sum_tokens CE / N, N = the batch's model tokens, so splitting changes memory, not the gradient.
+    Under torchrun the ranks split the batch and FSDP averages their gradients: each rank's loss is scaled by
+    the number of ranks."""
+    total = sum(sum(t.loss_mask) for t in examples)  # N: every labeled token (a prompt always precedes them)
+    share = cfg.share_prefix and DIST.world == 1     # FSDP: the same number of forward passes on every rank
+    loss = 0.0
+    for micro in my_micro_batches_of(examples, cfg.micro_batch_tokens):
+        loss_sum, _ = batch_loss(model, collate(micro or examples[:1], pad_id), share)
+        if micro is None:
+            loss_sum = loss_sum * 0.0  # an empty pass: keeps this rank in step with the others
+        (loss_sum * DIST.world / max(1, total)).backward()
+        loss += loss_sum.item() / max(1, total)
+    return all_ranks_sum([loss])[0]
+
+
 def length_batches(examples: list, batch_size: int, rng: random.Random) -> list[list]:
     """Batches of similar length (less padding): shuffle, sort within windows of 8 batches, shuffle the batches."""
     order = list(range(len(examples)))
@@ -889,10 +924,12 @@ def heldout_loss(model, examples: list[Trajectory], cfg: SFTConfig, pad_id: int)
     model.eval()
     total, count = 0.0, 0
     with torch.no_grad():
-        for k in range(0, len(examples), cfg.batch_size):
-            s, c = batch_loss(model, collate(examples[k:k + cfg.batch_size], pad_id), cfg.share_prefix)
-            total, count = total + float(s), count + c
+        for batch in my_micro_batches_of(examples, cfg.micro_batch_tokens):
+            s, c = batch_loss(model, collate(batch or examples[:1], pad_id), cfg.share_prefix and DIST.world == 1)
+            if batch is not None:
+                total, count = total + float(s), count + c
     model.train()
+    total, count = all_ranks_sum([total, count])
     return total / max(1, count)
 
 
@@ -900,13 +937,13 @@ def heldout_loss(model, examples: list[Trajectory], cfg: SFTConfig, pad_id: int)
 # Training
 
 
-def save_checkpoint(model, tokenizer, out_dir: Path, metrics: dict | None = None) -> None:
+def save_checkpoint(model, tokenizer, out_dir: Path, metrics: dict | None = None, weights=None) -> None:
     """save_pretrained + tokenizer into a temporary directory next to out_dir, then rename: a killed run never
-    leaves a half-written checkpoint under the final name."""
+    leaves a half-written checkpoint under the final name. weights: the full state dict of a sharded model."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=weights)
     tokenizer.save_pretrained(tmp)
     if metrics is not None:
         (tmp / "sft_metrics.json").write_text(json.dumps(metrics, indent=1))
@@ -929,14 +966,20 @@ def run_sft(model, tokenizer, cfg: SFTConfig, out_dir: Path | None, pool=None, l
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    lead = DIST.rank == 0  # under torchrun (distributed.py): rank 0 builds the data, logs and saves
+    if not lead:
+        log = lambda *_: None  # noqa: E731
+    if DIST.world > 1:
+        model = shard_policy(model, bf16=next(model.parameters()).is_cuda)
 
     # ---- data: generated chores (real sandbox outputs) + direct answers, optional JSONL chats, held-out set
     def build(n, seed):
-        return build_sft_examples(tokenizer, n, seed, pool, cfg) if n > 0 else []
+        return build_sft_examples(tokenizer, n, seed, pool, cfg) if n > 0 and lead else []
     train = build(cfg.n_examples, cfg.seed)
-    if cfg.data_jsonl:
+    if cfg.data_jsonl and lead:
         train += load_chat_jsonl(cfg.data_jsonl, tokenizer)
     heldout = build(cfg.heldout_examples, cfg.seed + 1_000_003)
+    train, heldout = from_rank0((train, heldout))  # every rank trains on the same examples (tool timings vary)
     too_long = sum(len(t.input_ids) > cfg.max_tokens for t in train)
     train = [t for t in train if len(t.input_ids) <= cfg.max_tokens]
     heldout = [t for t in heldout if len(t.input_ids) <= cfg.max_tokens]
@@ -958,17 +1001,15 @@ def run_sft(model, tokenizer, cfg: SFTConfig, out_dir: Path | None, pool=None, l
     if heldout:
         evals.append((0, heldout_loss(model, heldout, cfg, pad_id)))
         best = evals[-1][1]
-    bar = tqdm(batches, desc="sft", unit="step", dynamic_ncols=True)
+    bar = tqdm(batches, desc="sft", unit="step", dynamic_ncols=True, disable=not lead)
     for step, examples in enumerate(bar):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, len(batches), cfg)
-        loss_sum, count = batch_loss(model, collate(examples, pad_id), cfg.share_prefix)
-        loss = loss_sum / max(1, count)   # token-level mean over the batch's model tokens
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+        loss = accumulate_gradients(model, examples, cfg, pad_id)
+        grad_norm = clip_gradients(model, cfg.grad_clip)
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", gnorm=f"{grad_norm:.2f}", lr=f"{group['lr']:.1e}")
         if heldout and ((step + 1) % cfg.eval_every == 0 or step + 1 == len(batches)):
             evals.append((step + 1, heldout_loss(model, heldout, cfg, pad_id)))
@@ -991,7 +1032,9 @@ def run_sft(model, tokenizer, cfg: SFTConfig, out_dir: Path | None, pool=None, l
                "final_heldout_loss": evals[-1][1] if evals else None, "time_s": round(time.time() - t0, 1),
                "config": asdict(cfg)}
     if out_dir is not None:
-        save_checkpoint(model, tokenizer, Path(out_dir), metrics)
+        weights, _ = full_state(model)  # FSDP: the full weights, gathered on rank 0
+        if lead:
+            save_checkpoint(model, tokenizer, Path(out_dir), metrics, weights)
         metrics["out_dir"] = str(out_dir)
         log(f"[sft] saved to {out_dir} after {metrics['time_s']:.0f}s")
     return metrics

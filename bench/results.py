@@ -13,7 +13,6 @@ The last line printed is one JSON object with every number.
 """
 import argparse
 import json
-import os
 import statistics
 from pathlib import Path
 

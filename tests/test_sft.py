@@ -140,6 +140,25 @@ def test_shared_prefix_gives_the_same_loss_and_gradients(tokenizer, examples):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-3)
 
 
+def test_micro_batches_give_the_batch_gradient(tokenizer, examples):
+    """Gradient accumulation over micro-batches: the same token-level mean loss and gradient as one batch."""
+    model = models.tiny_model(tokenizer, seed=1)
+    batch = examples[:5]
+    loss_sum, count = sft.batch_loss(model, sft.collate(batch, tokenizer.pad_token_id))
+    assert count == sum(sum(t.loss_mask) for t in batch)  # the N that accumulate_gradients divides by
+    results = []
+    for micro in (100_000, 400):  # one pass, then several
+        model.zero_grad()
+        cfg = sft.SFTConfig(micro_batch_tokens=micro)
+        loss = sft.accumulate_gradients(model, batch, cfg, tokenizer.pad_token_id)
+        assert (len(sft.my_micro_batches_of(batch, micro)) > 1) == (micro < 10_000), micro
+        results.append((loss, [p.grad.clone() for p in model.parameters()]))
+    assert results[0][0] == pytest.approx(loss_sum.item() / count, rel=1e-5)
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-3)
+
+
 # ---- training
 
 

@@ -287,3 +287,88 @@ def test_cli_refuses_a_directory_that_holds_another_run(tmp_path, tiny_model_dir
     assert r.returncode == 2 and "holds another run" in r.stderr
     assert json.loads((d / "config.json").read_text()) == {"stage": "1", "seed": 99}  # nothing lost
     assert json.loads((d / "metrics.jsonl").read_text()) == {"step": 1, "reward": 0.5}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Several GPUs: the FSDP2 path, run here on 2 CPU ranks (gloo over 127.0.0.1) under torchrun
+
+
+def torchrun(*args, timeout=600):
+    import os
+    import socket
+
+    with socket.socket() as s:  # a free port on the loopback interface
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(port),
+                           str(ROOT / "tests" / "fsdp_ranks.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_fsdp_update_on_two_ranks_equals_one_process(tmp_path, tiny_model_dir, tokenizer):
+    sys.path.insert(0, str(ROOT / "tests"))
+    import fsdp_ranks
+
+    # one process: the reference
+    m = models.load_model(tiny_model_dir)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    rt = R.Runtime(m, tokenizer, engines=[], pool=None, loop=None)
+    cfg = fsdp_ranks.update_config()
+    optimizer, schedule = R.make_optimizer(m, cfg)
+    ref = R.policy_update(rt, cfg, optimizer, schedule, fsdp_ranks.fixed_batch(tokenizer), random.Random(0))
+    # two ranks, each with half of every weight, gradient and AdamW state, and its share of each mini-batch
+    torchrun("update", tiny_model_dir, tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt", weights_only=False)
+    for key in ("loss", "clip_frac", "grad_norm"):  # the token-level mean over both ranks' tokens, the global norm
+        assert got["numbers"][key] == pytest.approx(ref[key], rel=1e-4), key
+    assert got["numbers"]["train_tokens"] == ref["train_tokens"]
+    moved = 0
+    for name, value in m.state_dict().items():
+        assert torch.allclose(got["weights"][name], value, atol=2e-6), name
+        moved += int((value != before[name]).sum())
+    assert moved > 1000  # the update really changed the weights
+
+
+def test_fsdp_sft_on_two_ranks_equals_one_process(tmp_path, tiny_model_dir, tokenizer):
+    sys.path.insert(0, str(ROOT / "tests"))
+    import fsdp_ranks
+    import sft
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in fsdp_ranks.chat_rows()))
+    m = models.load_model(tiny_model_dir)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    ref = sft.run_sft(m, tokenizer, fsdp_ranks.sft_config(str(chats)), None, log=lambda *_: None)
+    torchrun("sft", tiny_model_dir, chats, tmp_path / "sft-model")
+    got = models.load_model(tmp_path / "sft-model")
+    assert ref["steps"] == 2
+    moved = 0
+    for name, value in m.state_dict().items():
+        assert torch.allclose(got.state_dict()[name], value, atol=2e-6), name
+        moved += int((value != before[name]).sum())
+    assert moved > 1000
+
+
+def test_fsdp_rl_steps_on_two_ranks_then_resume(tmp_path, tool_model_dir):
+    run = tmp_path / "run"
+    torchrun("stage", tool_model_dir, run, 1)  # rollouts on rank 0, the update sharded, a checkpoint
+    torchrun("stage", tool_model_dir, run, 2)  # resumed from it by both ranks
+    d = run / "stage1"
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]  # rank 0 alone writes: one line per step
+    assert all(r["loss"] is not None and r["grad_norm"] > 0 for r in rows)
+    assert R.latest_checkpoint(d).name == "step_000002"
+    state = torch.load(R.latest_checkpoint(d) / "trainer_state.pt", weights_only=False)
+    assert state["world"] == 2 and state["optimizer"]["state"]  # the full AdamW state, gathered
+    models.load_model(R.latest_checkpoint(d))  # the full weights, loadable without torchrun
+    with pytest.raises(R.UsageError, match="2 process"):  # a single process refuses the 2-rank checkpoint
+        cfg = tiny_config(tmp_path / "single")
+        rt = make_runtime(cfg, tool_model_dir)
+        try:
+            R.train_stage(rt, cfg, "1", tmp_path, lambda i: None, start=state)
+        finally:
+            R.close_runtime(rt)

@@ -1,0 +1,170 @@
+"""distributed.py - one node, several GPUs: the policy sharded with FSDP2 under torchrun (paper scale, section 4).
+
+    torchrun --nproc-per-node 8 rstar2_mini.py --stage all --preset paper --model /path/to/model
+
+The paper trains a 14B model on 64 GPUs; one 8-GPU node is this project's paper-scale target. The fp32 weights,
+gradients and AdamW state of 14B parameters take 224 GB, more than one GPU holds, so every rank keeps 1/N of
+them (torch's FSDP2 `fully_shard`, one unit per decoder layer, bf16 compute and fp32 gradient reduction on GPUs):
+
+    rank 0:   rollouts (vLLM engines, the sandbox, GRPO-RoC), evaluations, logs, checkpoints
+              --broadcast the step's kept trajectories and the RoC random state-->   every rank
+    all:      its token-balanced share of each mini-batch (rank_shares) -> log-probs -> loss -> backward
+              (FSDP's reduce-scatter sums the ranks' gradients into each shard) -> clip -> AdamW on its shard
+    all -> 0: the full weights gathered on rank 0 (full_state) -> weight sync to the engines / checkpoint
+
+Every forward pass gathers the sharded weights, a collective that all ranks must join in the same order, so a
+rank with fewer micro-batches than another runs empty passes (my_micro_batches) and the model is run without
+the shared-prefix shortcut (which makes one or two passes depending on the data).
+
+In a single process (no torchrun) DIST.world is 1 and every function here is the identity or does nothing: the
+CPU path reads as if this module did not exist. sft.py and rstar2_mini.py both use it.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+
+DIST = Dist()  # set by init_distributed(); like nanoGPT's ddp_rank / ddp_world_size
+
+
+def init_distributed() -> None:
+    """Join torchrun's process group (NCCL on GPUs, gloo on CPUs); nothing to do in a single process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # rank 0 alone runs rollouts and evaluations while the others wait in a collective: allow it hours
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(hours=12))
+    DIST.rank, DIST.world = dist.get_rank(), dist.get_world_size()
+
+
+def close_distributed() -> None:
+    if DIST.world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def shard_policy(model, bf16: bool):
+    """FSDP2: every decoder layer is a unit whose weights are gathered just for its forward and backward."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Greedy packing of trajectories (sorted by length) into micro-batches of at most max_tokens padded tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def rank_shares(items: list[int], lengths: list[int]) -> list[list[int]]:
+    """Split a batch between the ranks by tokens: longest first, each to the least loaded rank. Every rank
+    computes the same split from the same data, so no rank needs to be told its share."""
+    if DIST.world == 1:
+        return [list(items)]
+    shares, load = [[] for _ in range(DIST.world)], [0] * DIST.world
+    for i in sorted(items, key=lambda i: (-lengths[i], i)):
+        r = min(range(DIST.world), key=lambda r: (load[r], r))
+        shares[r].append(i)
+        load[r] += lengths[i]
+    return shares
+
+
+def my_micro_batches(per_rank: list[list]) -> list:
+    """This rank's micro-batches, given every rank's, padded with None up to the largest count (a None is an
+    empty pass: it joins the collectives and adds a zero gradient)."""
+    mine = per_rank[DIST.rank]
+    return mine + [None] * (max(len(p) for p in per_rank) - len(mine))
+
+
+def all_ranks_sum(values: list[float]) -> list[float]:
+    if DIST.world == 1:
+        return values
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def from_rank0(obj):
+    """Rank 0's object on every rank (pickled; the other ranks pass anything)."""
+    if DIST.world == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if DIST.world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def full_state(model, optimizer=None) -> tuple[dict | None, dict | None]:
+    """(weights, optimizer state) in full on rank 0, None elsewhere: a collective. In a single process the
+    weights are None (the model itself is whole: save and sync it directly)."""
+    if DIST.world == 1:
+        return None, optimizer.state_dict() if optimizer is not None else None
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    opt = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+    return (weights, opt) if DIST.rank == 0 else (None, None)
+
+
+def load_optimizer_state(model, optimizer, state: dict) -> None:
+    """The inverse of full_state's optimizer part: every rank takes its shard of the full state."""
+    if DIST.world == 1:
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def clip_gradients(model, max_norm: float) -> float:
+    """g <- g * min(1, max_norm / ||g||), the norm over all parameters (under FSDP: over every rank's shard)."""
+    import torch
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if hasattr(norm, "full_tensor"):  # a DTensor: each rank holds part of the sum of squares
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return float(norm)

@@ -1,0 +1,111 @@
+"""Run by tests/test_trainer.py under torchrun on 2 CPU ranks (gloo): the FSDP2 path of rstar2_mini.py.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py update MODEL_DIR OUT
+        one policy update of a fixed batch; rank 0 saves the full weights and the update's numbers to OUT
+    python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py stage MODEL_DIR RUN_DIR STEPS
+        RL steps with rollouts on rank 0 (coin reward), the update sharded over both ranks, checkpoints
+    python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py sft MODEL_DIR CHATS_JSONL OUT_DIR
+        SFT steps on a fixed chat file (sft_config), the model sharded; rank 0 saves the model to OUT_DIR
+"""
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import distributed as D  # noqa: E402
+import model as models  # noqa: E402
+import rstar2_mini as R  # noqa: E402
+import scheduler  # noqa: E402
+
+
+def update_config() -> R.Config:
+    return R.Config(lr=1e-3, warmup_steps=1, weight_decay=0.0, minibatches=2, micro_batch_tokens=64,
+                    temperature=1.0, grad_clip=1.0)
+
+
+def fixed_batch(tokenizer) -> list:
+    """Five trajectories of different lengths with advantages of both signs (tool tokens masked in one)."""
+    prompt = scheduler.render_prompt(tokenizer, "What is 6*7?")[:20]
+    kept = []
+    for k, (n, adv) in enumerate([(9, 1.2), (4, -0.7), (13, 0.4), (6, -1.1), (11, 0.9)]):
+        t = scheduler.Trajectory(problem_id=f"p{k}", prompt_ids=prompt)
+        t.segments = [scheduler.Segment([(31 * k + 7 * j) % 900 + 10 for j in range(n)], 1),
+                      scheduler.Segment([5, 6, 7], 0), scheduler.Segment([40 + k, 41, 42], 1)]
+        kept.append((t, adv))
+    return kept
+
+
+def sft_config(chats: str):
+    import sft
+
+    return sft.SFTConfig(n_examples=0, data_jsonl=chats, heldout_examples=0, batch_size=5, lr=1e-3,
+                         micro_batch_tokens=40, warmup_steps=1, max_steps=2, seed=0)
+
+
+def chat_rows() -> list[dict]:
+    """Seven chats of different lengths: a batch of 5 splits 3 / 2 between the ranks, so one rank pads."""
+    return [{"messages": [{"role": "user", "content": f"Count to {k}."},
+                          {"role": "assistant", "content": " ".join(str(j) for j in range(3 * k + 1))}]}
+            for k in range(1, 8)]
+
+
+def sft_steps(model_dir: str, chats: str, out: str) -> None:
+    import sft
+
+    sft.run_sft(models.load_model(model_dir), models.load_tokenizer(model_dir), sft_config(chats), Path(out))
+
+
+def one_update(model_dir: str, out: str) -> None:
+    tokenizer = models.load_tokenizer(model_dir)
+    policy = D.shard_policy(models.load_model(model_dir), bf16=False)
+    rt = R.Runtime(policy, tokenizer, engines=[], pool=None, loop=None)
+    cfg = update_config()
+    optimizer, schedule = R.make_optimizer(policy, cfg)
+    numbers = R.policy_update(rt, cfg, optimizer, schedule, fixed_batch(tokenizer), random.Random(0))
+    weights, _ = D.full_state(policy)
+    if D.DIST.rank == 0:
+        torch.save({"weights": weights, "numbers": numbers}, out)
+
+
+@dataclass(frozen=True)
+class Toy:
+    id: str
+    question: str
+    answer: str
+
+
+def coin(response, gold):
+    return float(sum(map(ord, response)) % 2)
+
+
+def stage(model_dir: str, run_dir: str, steps: int) -> None:
+    cfg = R.Config(out=run_dir, steps=steps, groups_per_step=2, group_size=2, oversample=2, max_draw_rounds=1,
+                   max_turns=3, max_response_tokens=192, temperature=1.3, lr=1e-3, warmup_steps=1, minibatches=2,
+                   micro_batch_tokens=4096, eval_problems=0, save_every=1, engine_batch=8, deterministic=True,
+                   drop_all_equal=False, tool_timeout_s=5.0, samples_per_step=1, resume=True)
+    d = Path(run_dir) / "stage1"
+    d.mkdir(parents=True, exist_ok=True)
+    ckpt = R.latest_checkpoint(d)
+    start = torch.load(ckpt / "trainer_state.pt", weights_only=False) if ckpt else None
+    rt = R.build_runtime(cfg, ckpt or Path(model_dir))
+    rt.reward_fn = coin
+    try:
+        problems = [Toy(f"p{i}", "What is 6*7?", "42") for i in range(50)]
+        R.train_stage(rt, cfg, "1", d, lambda i: problems[i % len(problems)], start=start)
+    finally:
+        R.close_runtime(rt)
+
+
+if __name__ == "__main__":
+    D.init_distributed()
+    if sys.argv[1] == "update":
+        one_update(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "sft":
+        sft_steps(sys.argv[2], sys.argv[3], sys.argv[4])
+    else:
+        stage(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    D.close_distributed()
