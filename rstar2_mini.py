@@ -101,7 +101,7 @@ class Config:
 
 PRESETS = {
     # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 take ~35 minutes.
-    # Measured (README): SFT 8.6 min; a step (8 problems x 8 rollouts, then the update) about 4 min; RL 24-30 min.
+    # Measured (README): SFT 8.9 min; a step (8 problems x 8 rollouts, then the update) about 4 min; RL 24-30 min.
     # Problems: the two generator families in which the 135M model after SFT is sometimes right and sometimes
     # wrong (measured at T = 1, 3 problems x 8 samples each: product 12/24, modular_power 9/24; the other nine
     # families 0/24). A group of all-wrong rollouts has zero advantage and teaches nothing: on all eleven
