@@ -21,6 +21,7 @@ CPU path reads as if this module did not exist. sft.py and rstar2_mini.py both u
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -56,6 +57,20 @@ def close_distributed() -> None:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def without_torchrun_env():
+    """Hide torchrun's variables (RANK, WORLD_SIZE, MASTER_PORT ...) while rank 0 starts vLLM: its engine
+    processes inherit the environment and would otherwise read themselves as members of our process group (vLLM
+    issues #1865, #7939: hangs under torchrun). Not verified here: no GPU was available."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+             "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k in names or k.startswith("TORCHELASTIC_")}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def shard_policy(model, bf16: bool):

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from distributed import (DIST, all_ranks_sum, clip_gradients, close_distributed, from_rank0, full_state,
                          init_distributed, load_optimizer_state, my_micro_batches, pack_micro_batches, rank_shares,
-                         shard_policy)
+                         shard_policy, without_torchrun_env)
 
 # ----------------------------------------------------------------------------------------------------------
 # Configuration: every hyperparameter in one dataclass, with its paper value; presets scale it to the machine.
@@ -770,9 +770,10 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
     engines, pool = [], None
     if DIST.rank == 0:  # the rollout side lives on rank 0 only
         if use_vllm:  # under torchrun the GPUs also hold the trainer's shards: vLLM takes less of each
-            engines = scheduler.VLLMEngine.launch(str(model_path), loop, seed=cfg.seed,
-                                                  max_model_len=cfg.max_response_tokens + 2048,
-                                                  gpu_memory_utilization=0.85 if DIST.world == 1 else 0.5)
+            with without_torchrun_env():
+                engines = scheduler.VLLMEngine.launch(str(model_path), loop, seed=cfg.seed,
+                                                      max_model_len=cfg.max_response_tokens + 2048,
+                                                      gpu_memory_utilization=0.85 if DIST.world == 1 else 0.5)
         else:
             engines = [scheduler.TransformersEngine(models.load_model(model_path, device=device), tokenizer,
                                                     max_batch=cfg.engine_batch, device=device)]

@@ -314,7 +314,7 @@ def table_total(rng):
     answer = str(round(sum(s for _, s in rows) / len(rows), 2)) if avg else str(sum(s for _, s in rows))
     what = "average" if avg else "total"
     last = "print(round(sum(scores) / len(scores), 2))" if avg else "print(sum(scores))"
-    return Chore(f"add up the score column" if not avg else "average the score column",
+    return Chore("add up the score column" if not avg else "average the score column",
                  pick(rng, "What is the {w} of the score column in this CSV?\n{t}" + (" Round to 2 decimals." if avg else ""),
                       "Compute the {w} score from the table" + (" (2 decimals)" if avg else "") + ":\n{t}", w=what, t=text),
                  answer, ["table = DATA\nscores = [int(line.split(',')[1]) for line in table.splitlines()[1:]]\n" + last,

@@ -372,3 +372,19 @@ def test_fsdp_rl_steps_on_two_ranks_then_resume(tmp_path, tool_model_dir):
             R.train_stage(rt, cfg, "1", tmp_path, lambda i: None, start=state)
         finally:
             R.close_runtime(rt)
+
+
+def test_vllm_starts_without_torchruns_variables(monkeypatch):
+    """vLLM's engine processes inherit the environment: torchrun's RANK/MASTER_PORT would make them join our group."""
+    import os
+
+    import distributed
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with distributed.without_torchrun_env():
+        assert not {"RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(os.environ)
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"  # not torchrun's: kept
+    assert os.environ["RANK"] == "3" and os.environ["MASTER_PORT"] == "29500"  # restored for our own collectives
