@@ -16,8 +16,9 @@ Every forward pass gathers the sharded weights, a collective that all ranks must
 rank with fewer micro-batches than another runs empty passes (my_micro_batches) and the model is run without
 the shared-prefix shortcut (which makes one or two passes depending on the data).
 
-In a single process (no torchrun) DIST.world is 1 and every function here is the identity or does nothing: the
-CPU path reads as if this module did not exist. sft.py and rstar2_mini.py both use it.
+In a single process (no torchrun) DIST.world is 1 and every rank helper here is the identity or does nothing
+(micro-batches are still packed by tokens: pack_micro_batches): the CPU path reads as if ranks did not exist.
+sft.py and rstar2_mini.py both use it.
 """
 from __future__ import annotations
 
@@ -113,11 +114,14 @@ def rank_shares(items: list[int], lengths: list[int]) -> list[list[int]]:
     return shares
 
 
-def my_micro_batches(per_rank: list[list]) -> list:
-    """This rank's micro-batches, given every rank's, padded with None up to the largest count (a None is an
-    empty pass: it joins the collectives and adds a zero gradient)."""
-    mine = per_rank[DIST.rank]
-    return mine + [None] * (max(len(p) for p in per_rank) - len(mine))
+def my_micro_batches(per_rank: list[list[int]], lengths: list[int], max_tokens: int) -> list:
+    """This rank's micro-batches (item indices packed by pack_micro_batches), given every rank's items, padded with
+    None up to the busiest rank's count (a None is an empty pass: it joins the collectives and adds a zero
+    gradient). In a single process: all the items, packed."""
+    packed = [[[items[j] for j in mb] for mb in pack_micro_batches([lengths[i] for i in items], max_tokens)]
+              for items in per_rank]
+    mine = packed[DIST.rank]
+    return mine + [None] * (max(len(p) for p in packed) - len(mine))
 
 
 def all_ranks_sum(values: list[float]) -> list[float]:

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distributed import (DIST, all_ranks_sum, clip_gradients, close_distributed, from_rank0, full_state,
-                         init_distributed, load_optimizer_state, my_micro_batches, pack_micro_batches, rank_shares,
-                         shard_policy, without_torchrun_env)
+                         init_distributed, load_optimizer_state, my_micro_batches, rank_shares, shard_policy,
+                         without_torchrun_env)
 
 # ----------------------------------------------------------------------------------------------------------
 # Configuration: every hyperparameter in one dataclass, with its paper value; presets scale it to the machine.
@@ -497,16 +497,12 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
     chunks = [order[k::cfg.minibatches] for k in range(cfg.minibatches)]
     shares = [rank_shares(chunk, lengths) for chunk in chunks]  # shares[chunk][rank]: that rank's items
 
-    def micro_batches(per_rank):  # this rank's, packed by tokens, padded to the busiest rank's count
-        return my_micro_batches([[[items[j] for j in mb] for mb in
-                                  pack_micro_batches([lengths[i] for i in items], cfg.micro_batch_tokens)]
-                                 for items in per_rank])
-
     # Old log-probs pi_old: recomputed by the trainer (not the engine's) so rho = 1 exactly at the first update.
     old = [None] * len(seqs)
     model.eval()
     with torch.no_grad():
-        for mb in micro_batches([sum((s[r] for s in shares), []) for r in range(world)]):
+        for mb in my_micro_batches([sum((s[r] for s in shares), []) for r in range(world)], lengths,
+                                   cfg.micro_batch_tokens):
             logp, P = logprobs(mb)
             for row, i in enumerate(mb or []):
                 old[i] = (logp[row, : lengths[i] - P].clone(), P)
@@ -520,7 +516,7 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
         n_tokens = sum(sum(masks[i]) for i in chunk)
         optimizer.zero_grad(set_to_none=True)
         loss_total, clipped = 0.0, 0.0
-        for mb in micro_batches(share):
+        for mb in my_micro_batches(share, lengths, cfg.micro_batch_tokens):
             logp, P = logprobs(mb)
             if mb is None:
                 backward(logp.sum() * 0.0)  # no items left on this rank: a zero gradient, the collectives in step

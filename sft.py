@@ -50,7 +50,7 @@ from datetime import date, timedelta
 from pathlib import Path
 
 from distributed import (DIST, all_ranks_sum, clip_gradients, from_rank0, full_state, my_micro_batches,
-                         pack_micro_batches, rank_shares, shard_policy)
+                         rank_shares, shard_policy)
 from scheduler import (IM_END, IM_START, TOOL_NAME, Segment, Trajectory, encode, render_prompt,
                        tool_response_text)
 
@@ -874,9 +874,9 @@ def my_micro_batches_of(examples: list[Trajectory], max_tokens: int) -> list:
     torchrun: this rank's token-balanced share, padded with None up to the busiest rank's count (an empty pass,
     distributed.py)."""
     lengths = [len(t.input_ids) - len(t.prompt_ids) for t in examples]
-    return my_micro_batches([[[examples[mine[j]] for j in mb]
-                              for mb in pack_micro_batches([lengths[i] for i in mine], max_tokens)]
-                             for mine in rank_shares(list(range(len(examples))), lengths)])
+    shares = rank_shares(list(range(len(examples))), lengths)
+    return [None if mb is None else [examples[i] for i in mb]
+            for mb in my_micro_batches(shares, lengths, max_tokens)]
 
 
 def accumulate_gradients(model, examples: list[Trajectory], cfg: SFTConfig, pad_id: int) -> float:

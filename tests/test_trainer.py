@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import distributed
 import model as models
 import rstar2_mini as R
 import scheduler
@@ -46,7 +47,7 @@ def test_token_logprobs_equal_full_forward_with_gradients(tokenizer):
 
 def test_pack_micro_batches_respects_token_budget():
     lengths = [100, 50, 400, 90, 300, 10]
-    batches = R.pack_micro_batches(lengths, 400)
+    batches = distributed.pack_micro_batches(lengths, 400)
     assert sorted(i for b in batches for i in b) == list(range(6))
     for b in batches:
         assert len(b) * max(lengths[i] for i in b) <= 400 or len(b) == 1
@@ -377,8 +378,6 @@ def test_fsdp_rl_steps_on_two_ranks_then_resume(tmp_path, tool_model_dir):
 def test_vllm_starts_without_torchruns_variables(monkeypatch):
     """vLLM's engine processes inherit the environment: torchrun's RANK/MASTER_PORT would make them join our group."""
     import os
-
-    import distributed
 
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("MASTER_PORT", "29500")
