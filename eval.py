@@ -505,6 +505,10 @@ def summarize(problems, groups, ks=None) -> dict:
         "valid_tool_call_share": sum(has_valid_tool_call(t) for t in trajs) / max(len(trajs), 1),
         "answer_format_share": sum(answer_format_ok(t.model_text) for t in trajs) / max(len(trajs), 1),
         "finish_reasons": {r: sum(t.finish_reason == r for t in trajs) for r in sorted({t.finish_reason for t in trajs})},
+        # problems whose samples disagree in outcome: the groups GRPO can learn from (all-equal groups have zero
+        # advantage). Meaningful at the training temperature (1.0) with several samples per problem.
+        "mixed_outcome_share": (sum(0 < sum(t.reward > 0 for t in g) < len(g) for g in groups) / len(groups)
+                                if groups and n > 1 else None),
     }
     for k in ks:
         if 1 < k <= n:
@@ -531,7 +535,7 @@ def evaluate(engines, pool, tokenizer, problems, n_samples: int, rollout_cfg, lo
 
 def markdown_table(name: str, s: dict) -> str:
     keys = ["pass@1"] + [k for k in s if k.startswith(("pass@", "maj@")) and k != "pass@1"] + [
-        "response_len", "tool_calls_per_problem", "tool_error_rate", "valid_tool_call_share", "answer_format_share"]
+        "response_len", "tool_calls_per_problem", "tool_error_rate", "valid_tool_call_share", "answer_format_share", "mixed_outcome_share"]
     fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
     return ("| data | problems x samples | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 2) + "\n"
             f"| {name} | {s['problems']} x {s['samples_per_problem']} | " + " | ".join(fmt(s.get(k)) for k in keys)

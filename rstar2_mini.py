@@ -101,14 +101,15 @@ class Config:
 
 PRESETS = {
     # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 take ~35 minutes.
-    # Measured (README): SFT 8.9 min; a step (8 problems x 8 rollouts, then the update) about 4 min; RL 24-30 min.
+    # Measured (README): SFT ~9.5 min (304 examples, bf16 autocast where the CPU has bf16 units); a step
+    # (8 problems x 8 rollouts, then the update) about 4 min; RL 24-30 min.
     # Problems: the two generator families in which the 135M model after SFT is sometimes right and sometimes
     # wrong (measured at T = 1, 3 problems x 8 samples each: product 12/24, modular_power 9/24; the other nine
     # families 0/24). A group of all-wrong rollouts has zero advantage and teaches nothing: on all eleven
     # families 7 of 8 groups per step were dropped, on these two 1-3 of 8 (RESULTS.md).
     "cpu": dict(steps=6, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=512,
                 draw_problems=8, max_draw_rounds=1, lr=2e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=2048,
-                eval_problems=16, eval_samples=2, hard_scan=32, sft_examples=192, levels=(1,),
+                eval_problems=16, eval_samples=2, hard_scan=32, sft_examples=304, levels=(1,),
                 families=("product", "modular_power")),
     # One 8-GPU node: the paper's numbers (Table/section 4); lengths per stage come from STAGES below.
     "paper": dict(steps=300, groups_per_step=512, group_size=16, oversample=2, max_turns=10,

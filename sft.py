@@ -23,13 +23,17 @@ the model nearly deterministic, so GRPO groups were all-right or all-wrong and R
 sentences, question phrasings, code styles (print(expr), variables, loops, functions, stdin) and the number of
 calls (one, a check with a second method, an error then a fix) are all drawn at random, and training stops
 early, so the model learns the format but keeps a spread of behaviours for RL to choose from.
+Most programs end in `result = expr` + `print(result)`: a 135M model miscounts closing parentheses in deeply
+nested one-liners, and its most common error after SFT was "unmatched ')'" (README, "valid tool call").
 
 Speed: every generated example starts with the same ~450-token system prompt. `batch_loss` runs that shared
 prefix once per micro-batch (batch size 1, with gradient) and lets each example attend to its cached keys/values;
 the loss and the gradients are exactly those of the plain padded batch (tests/test_sft.py checks this), at a
-fraction of the cost on a CPU. Memory: a batch of 8 runs in micro-batches of at most `micro_batch_tokens` padded
-response tokens whose gradients add up to the batch's (activations and the 49K-wide logits grow with the
-micro-batch: whole batches peaked at 14.6 GB). Under torchrun the ranks share each batch (distributed.py).
+fraction of the cost on a CPU. The matmuls run under bf16 autocast over fp32 master weights where the
+hardware has bf16 units (a GPU; a CPU with AVX512-BF16 or AMX: a step 1.7x faster, README). Memory: a batch of
+8 runs in micro-batches of at most `micro_batch_tokens` padded response tokens whose gradients add up to the
+batch's (activations and the 49K-wide logits grow with the micro-batch: whole batches in fp32 peaked at
+14.6 GB). Under torchrun the ranks share each batch (distributed.py).
 
     python sft.py --out runs/sft-probe          # the CPU preset on the bundled SmolLM2-135M-Instruct
 """
@@ -64,6 +68,9 @@ class SFTConfig:
     direct_share: float = 0.1        # share answered without the tool (instruction following / answer format)
     verify_share: float = 0.15       # tool examples that run a second, different program to check the first
     fix_share: float = 0.1           # tool examples whose first program fails (real traceback), then is fixed
+    name_share: float = 0.7          # programs whose last line prints a nested expression are rewritten to
+                                     # `result = expr` + `print(result)` (a 135M model miscounts closing
+                                     # parentheses: "unmatched ')'" was its most common error, README)
     data_jsonl: str | None = None    # extra chat examples {"messages": [...]} (real function-calling sets on GPU)
     epochs: int = 1                  # paper: 3 (over 222K examples); one pass over a small varied set here
     lr: float = 2e-4                 # paper: 5e-6 for a 14B model; a 135M model needs a larger step
@@ -74,16 +81,18 @@ class SFTConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0           # global gradient-norm clip
     batch_size: int = 8              # examples per optimizer step (paper: not stated)
-    micro_batch_tokens: int = 1536   # rows x longest response per forward/backward (padded); gradients
+    micro_batch_tokens: int = 2304   # rows x longest response per forward/backward (padded); gradients
                                      # accumulate up to batch_size. Peak memory follows it (README: 8 whole
                                      # batches of 8 peaked at 14.6 GB)
     max_steps: int | None = None     # cap on optimizer steps (None: epochs decide)
     max_tokens: int = 1024           # longer examples are dropped (paper: not stated for SFT)
     heldout_examples: int = 16       # generated with another seed; early stopping watches their loss
-    eval_every: int = 5              # optimizer steps between held-out evaluations
+    eval_every: int = 8              # optimizer steps between held-out evaluations
     patience: int = 2                # stop after this many evaluations without improvement ...
     min_delta: float = 0.01          # ... of at least this much (relative), so the data is never memorised
     share_prefix: bool = True        # run the common system prompt once per batch (exact, much faster)
+    bf16: bool | None = None         # bf16 autocast over fp32 master weights; None: on a GPU and on CPUs with
+                                     # bf16 matrix units (AVX512-BF16 / AMX: 1.7-1.9x faster steps, README)
     seed: int = 0
 
 
@@ -391,6 +400,43 @@ def list_stat(rng):
                  programs, nums, "[int(x) for x in input().split()]", " ".join(map(str, nums)))
 
 
+def count_matching(rng):
+    """A loop with a condition over a list of records: how many pass, or the total of those that pass."""
+    scores = [rng.randint(0, 100) for _ in range(rng.randint(6, 12))]
+    cut = rng.choice([40, 50, 60, 70, 75, 80, 90])
+    if rng.random() < 0.5:
+        return Chore("count the scores that pass", pick(rng, "The test scores are {s}. How many students scored at "
+                                                        "least {c}?", "Count the scores of at least {c} in {s}.",
+                                                        s=scores, c=cut),
+                     str(sum(x >= cut for x in scores)),
+                     [f"scores = DATA\ncount = 0\nfor x in scores:\n    if x >= {cut}:\n        count += 1\nprint(count)",
+                      f"scores = DATA\npassed = [x for x in scores if x >= {cut}]\nprint(len(passed))",
+                      f"print(sum(1 for x in DATA if x >= {cut}))"],
+                     scores, "[int(x) for x in input().split()]", " ".join(map(str, scores)))
+    return Chore("add up the scores below the cut", pick(rng, "The scores are {s}. What is the sum of the scores "
+                                                         "below {c}?", "Add up the values under {c} in {s}.",
+                                                         s=scores, c=cut),
+                 str(sum(x for x in scores if x < cut)),
+                 [f"scores = DATA\ntotal = 0\nfor x in scores:\n    if x < {cut}:\n        total += x\nprint(total)",
+                  f"scores = DATA\nlow = [x for x in scores if x < {cut}]\nprint(sum(low))"],
+                 scores, "[int(x) for x in input().split()]", " ".join(map(str, scores)))
+
+
+def savings(rng):
+    """A quantity that changes by a fixed step every week: a loop that accumulates."""
+    first, step, weeks = rng.randint(1, 40), rng.randint(1, 15), rng.randint(6, 52)
+    total = sum(first + step * w for w in range(weeks))
+    return Chore("add up the weekly savings", pick(rng, "I save {a} dollars in the first week and {d} dollars more "
+                                                   "each week than the week before. How much have I saved after "
+                                                   "{n} weeks?", "A jar gets {a} coins in week 1, and every week "
+                                                   "{d} more coins than the previous week. How many coins are in "
+                                                   "the jar after {n} weeks?", a=first, d=step, n=weeks),
+                 str(total),
+                 [f"total = 0\namount = {first}\nfor week in range({weeks}):\n    total += amount\n    amount += {step}\nprint(total)",
+                  f"weeks = {weeks}\ntotal = 0\nfor w in range(weeks):\n    total += {first} + {step} * w\nprint(total)",
+                  f"deposits = [{first} + {step} * w for w in range({weeks})]\nprint(sum(deposits))"])
+
+
 def extract_digits(rng):
     s = "".join(rng.choice("abcxyz-#") if rng.random() < 0.6 else str(rng.randint(0, 9)) for _ in range(rng.randint(8, 14)))
     if not any(ch.isdigit() for ch in s):
@@ -505,9 +551,10 @@ def square_side(rng):
                              f"import math\narea = {side * side}\nprint(math.isqrt(area))"])
 
 
-CHORES = [packing, shopping, growth, square_side, reverse_string, count_vowels, count_letter, sort_words, sort_numbers, longest_word, word_count, dedupe,
-          palindrome, days_between, weekday, add_days, convert_units, temperature, seconds_to_clock, table_top,
-          table_total, most_common_letter, acronym, case_change, caesar, list_stat, extract_digits, replace_word,
+CHORES = [packing, shopping, growth, square_side, count_matching, savings, reverse_string, count_vowels,
+          count_letter, sort_words, sort_numbers, longest_word, word_count, dedupe, palindrome,
+          days_between, weekday, add_days, convert_units, temperature, seconds_to_clock, table_top, table_total,
+          most_common_letter, acronym, case_change, caesar, list_stat, extract_digits, replace_word,
           evaluate_expression, percent]
 
 
@@ -621,6 +668,24 @@ def typo(code: str) -> str | None:
     return code[:last.start()] + name + name[-1] + code[last.end():]
 
 
+def name_the_result(code: str) -> str:
+    """`print(f(g(x)))` on the last line -> `result = f(g(x))` then `print(result)`: one level of parentheses
+    less to close in the line that a small model most often gets wrong. Other programs are returned unchanged."""
+    import ast
+
+    lines = code.split("\n")
+    try:
+        call = ast.parse(lines[-1]).body[0].value
+    except (SyntaxError, IndexError, AttributeError):
+        return code
+    if not (isinstance(call, ast.Call) and getattr(call.func, "id", "") == "print" and len(call.args) == 1
+            and not call.keywords and not isinstance(call.args[0], (ast.Name, ast.Constant))):
+        return code
+    name = next(n for n in ("result", "answer", "value", "out", "res") if not re.search(rf"\b{n}\b", code))
+    expr = ast.get_source_segment(lines[-1], call.args[0])
+    return "\n".join(lines[:-1] + [f"{name} = {expr}", f"print({name})"])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Building examples: draft -> run every program in the sandbox -> render as a Trajectory
 
@@ -642,7 +707,8 @@ def draft_example(seed: int, index: int, cfg: SFTConfig) -> Draft:
         q, reason, a = direct_example(rng)
         return Draft(f"sft-{index}-direct", q, a, final=answer_turn(rng, reason, a))
     chore = rng.choice(CHORES)(rng)
-    programs = chore_programs(chore)
+    programs = [(name_the_result(code) if rng.random() < cfg.name_share else code, stdin)
+                for code, stdin in chore_programs(chore)]
     code, stdin = rng.choice(programs)
     reasons = STDIN_REASONS if stdin else CALL_REASONS
     d = Draft(f"sft-{index}-{chore.what.split()[0]}", chore.question, chore.answer)
@@ -879,6 +945,18 @@ def my_micro_batches_of(examples: list[Trajectory], max_tokens: int) -> list:
             for mb in my_micro_batches(shares, lengths, max_tokens)]
 
 
+def autocast(model, cfg: SFTConfig):
+    """bf16 autocast over the fp32 master weights (matmuls in bf16, the loss and the optimizer in fp32), where
+    cfg.bf16 says so (None: where bf16 matrix units exist, models.bf16_is_fast)."""
+    import torch
+
+    import model as models
+
+    device = next(model.parameters()).device.type
+    on = models.bf16_is_fast(device) if cfg.bf16 is None else cfg.bf16
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=on)
+
+
 def accumulate_gradients(model, examples: list[Trajectory], cfg: SFTConfig, pad_id: int) -> float:
     """Gradients of the token-level mean loss over the whole batch, in micro-batches of cfg.micro_batch_tokens:
     L = sum_mb sum_tokens CE / N, N = the batch's model tokens, so splitting changes memory, not the gradient.
@@ -888,7 +966,8 @@ def accumulate_gradients(model, examples: list[Trajectory], cfg: SFTConfig, pad_
     share = cfg.share_prefix and DIST.world == 1     # FSDP: the same number of forward passes on every rank
     loss = 0.0
     for micro in my_micro_batches_of(examples, cfg.micro_batch_tokens):
-        loss_sum, _ = batch_loss(model, collate(micro or examples[:1], pad_id), share)
+        with autocast(model, cfg):
+            loss_sum, _ = batch_loss(model, collate(micro or examples[:1], pad_id), share)
         if micro is None:
             loss_sum = loss_sum * 0.0  # an empty pass: keeps this rank in step with the others
         (loss_sum * DIST.world / max(1, total)).backward()
@@ -923,7 +1002,7 @@ def heldout_loss(model, examples: list[Trajectory], cfg: SFTConfig, pad_id: int)
 
     model.eval()
     total, count = 0.0, 0
-    with torch.no_grad():
+    with torch.no_grad(), autocast(model, cfg):
         for batch in my_micro_batches_of(examples, cfg.micro_batch_tokens):
             s, c = batch_loss(model, collate(batch or examples[:1], pad_id), cfg.share_prefix and DIST.world == 1)
             if batch is not None:

@@ -43,7 +43,7 @@ def sft_config(chats: str):
     import sft
 
     return sft.SFTConfig(n_examples=0, data_jsonl=chats, heldout_examples=0, batch_size=5, lr=1e-3,
-                         micro_batch_tokens=40, warmup_steps=1, max_steps=2, seed=0)
+                         micro_batch_tokens=40, warmup_steps=1, max_steps=2, seed=0, bf16=False)  # exact
 
 
 def chat_rows() -> list[dict]:

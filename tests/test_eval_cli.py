@@ -37,6 +37,7 @@ def test_summary_numbers_by_hand():
     assert s["valid_tool_call_share"] == 0.25
     assert s["answer_format_share"] == 0.5
     assert s["maj@2"] in (0.0, 0.5)               # a 1-1 tie: the first answer seen wins
+    assert s["mixed_outcome_share"] == 0.5        # problem 1: one right, one wrong; problem 2: both wrong
 
 
 def run_cli(*args):
