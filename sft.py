@@ -1041,6 +1041,8 @@ def run_sft(model, tokenizer, cfg: SFTConfig, out_dir: Path | None, pool=None, l
     import torch
     from tqdm import tqdm
 
+    import model as models
+
     t0 = time.time()
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
@@ -1088,6 +1090,7 @@ def run_sft(model, tokenizer, cfg: SFTConfig, out_dir: Path | None, pool=None, l
         loss = accumulate_gradients(model, examples, cfg, pad_id)
         grad_norm = clip_gradients(model, cfg.grad_clip)
         opt.step()
+        models.release_freed_memory()  # the step's logits and activations, before they fragment the heap
         losses.append(loss)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", gnorm=f"{grad_norm:.2f}", lr=f"{group['lr']:.1e}")
         if heldout and ((step + 1) % cfg.eval_every == 0 or step + 1 == len(batches)):
