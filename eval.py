@@ -535,7 +535,8 @@ def evaluate(engines, pool, tokenizer, problems, n_samples: int, rollout_cfg, lo
 
 def markdown_table(name: str, s: dict) -> str:
     keys = ["pass@1"] + [k for k in s if k.startswith(("pass@", "maj@")) and k != "pass@1"] + [
-        "response_len", "tool_calls_per_problem", "tool_error_rate", "valid_tool_call_share", "answer_format_share", "mixed_outcome_share"]
+        "response_len", "tool_calls_per_problem", "tool_error_rate", "valid_tool_call_share", "answer_format_share",
+        "mixed_outcome_share"]
     fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
     return ("| data | problems x samples | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 2) + "\n"
             f"| {name} | {s['problems']} x {s['samples_per_problem']} | " + " | ".join(fmt(s.get(k)) for k in keys)
