@@ -127,10 +127,11 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
+@functools.lru_cache(maxsize=None)
 def bf16_is_fast(device: str = "cpu") -> bool:
     """Whether bf16 matmuls beat fp32 here: a GPU with bf16, or a CPU with AVX512-BF16 or AMX units (measured on
     an AMD EPYC with AVX512-BF16: an SFT forward + backward 1.7-1.9x faster under autocast). Without those units
-    a CPU emulates bf16 and autocast is slower than fp32."""
+    a CPU emulates bf16 and autocast is slower than fp32. Cached: sft.autocast asks at every micro-batch."""
     import torch
 
     if device == "cuda":

@@ -40,6 +40,7 @@ batch's (activations and the 49K-wide logits grow with the micro-batch: whole ba
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import json
 import math
@@ -671,8 +672,6 @@ def typo(code: str) -> str | None:
 def name_the_result(code: str) -> str:
     """`print(f(g(x)))` on the last line -> `result = f(g(x))` then `print(result)`: one level of parentheses
     less to close in the line that a small model most often gets wrong. Other programs are returned unchanged."""
-    import ast
-
     lines = code.split("\n")
     try:
         call = ast.parse(lines[-1]).body[0].value
