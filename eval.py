@@ -483,6 +483,16 @@ def has_valid_tool_call(traj) -> bool:
     return traj.tool_statuses.get("ok", 0) > 0
 
 
+def first_program(model_text: str) -> str | None:
+    """The code and stdin of a trajectory's first tool call (None: no parsable call). Samples of a problem that
+    write the same first program explore nothing; how many distinct ones they write is a diversity measure."""
+    from scheduler import parse_tool_call
+
+    head, closed, _ = model_text.partition("</tool_call>")
+    call = parse_tool_call(head + closed) if closed else None
+    return f"{call.code}\n---\n{call.stdin}" if call is not None and call.code is not None else None
+
+
 def summarize(problems, groups, ks=None) -> dict:
     """Per-problem grades -> the benchmark's numbers. groups[i] holds the graded samples of problems[i].
     pass@k and maj@k for k in ks (default: the powers of two up to n, and n itself)."""
@@ -509,6 +519,9 @@ def summarize(problems, groups, ks=None) -> dict:
         # advantage). Meaningful at the training temperature (1.0) with several samples per problem.
         "mixed_outcome_share": (sum(0 < sum(t.reward > 0 for t in g) < len(g) for g in groups) / len(groups)
                                 if groups and n > 1 else None),
+        # mean number of different first programs among a problem's samples (1 = every sample wrote the same)
+        "distinct_programs_per_problem": (sum(len({first_program(t.model_text) for t in g} - {None}) for g in groups)
+                                          / len(groups) if groups else None),
     }
     for k in ks:
         if 1 < k <= n:
@@ -536,7 +549,7 @@ def evaluate(engines, pool, tokenizer, problems, n_samples: int, rollout_cfg, lo
 def markdown_table(name: str, s: dict) -> str:
     keys = ["pass@1"] + [k for k in s if k.startswith(("pass@", "maj@")) and k != "pass@1"] + [
         "response_len", "tool_calls_per_problem", "tool_error_rate", "valid_tool_call_share", "answer_format_share",
-        "mixed_outcome_share"]
+        "mixed_outcome_share", "distinct_programs_per_problem"]
     fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
     return ("| data | problems x samples | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 2) + "\n"
             f"| {name} | {s['problems']} x {s['samples_per_problem']} | " + " | ".join(fmt(s.get(k)) for k in keys)

@@ -34,15 +34,6 @@ import tasks  # noqa: E402
 from sandbox import SandboxPool  # noqa: E402
 
 
-def first_program(tokenizer, traj) -> str | None:
-    for s in traj.segments:
-        if s.loss_mask:
-            call = scheduler.parse_tool_call(tokenizer.decode(s.ids))
-            if call is not None:
-                return f"{call.code}\n---\n{call.stdin}" if call.code is not None else None
-    return None
-
-
 def measure(model, tokenizer, pool, loop, problems, samples: int, args) -> dict:
     engine = scheduler.TransformersEngine(model, tokenizer, max_batch=args.engine_batch,
                                           kv_capacity_tokens=args.engine_batch * 2048)
@@ -62,7 +53,7 @@ def measure(model, tokenizer, pool, loop, problems, samples: int, args) -> dict:
         "answer_format_ok": sum(grader.answer_format_ok(t.model_text) for t in trajs) / len(trajs),
         "accuracy": sum(map(sum, rewards)) / len(trajs),
         "mixed_groups": sum(0 < sum(r) < len(r) for r in rewards) / len(rewards),
-        "distinct_programs": sum(len({first_program(tokenizer, t) for t in g} - {None}) for g in groups) / len(groups),
+        "distinct_programs": grader.summarize(problems, groups, ks=())["distinct_programs_per_problem"],
         "calls_per_traj": calls / len(trajs), "ok_call_share": ok_calls / max(1, calls),
         "finish": {k: sum(t.finish_reason == k for t in trajs) for k in sorted({t.finish_reason for t in trajs})},
         "mean_response_tokens": sum(t.num_response_tokens for t in trajs) / len(trajs),

@@ -40,6 +40,24 @@ def test_summary_numbers_by_hand():
     assert s["mixed_outcome_share"] == 0.5        # problem 1: one right, one wrong; problem 2: both wrong
 
 
+def test_distinct_programs_count_each_problems_different_first_calls():
+    def call(code, stdin=""):
+        body = json.dumps({"name": scheduler.TOOL_NAME, "arguments": {"code": code, "input": stdin}})
+        return f"<reason> r </reason>\n<tool_call>\n{body}\n</tool_call>"
+
+    class P:
+        answer = "1"
+
+    groups = [[graded(0.0, text=call("print(1)") + call("print(2)")),    # only the first call counts
+               graded(0.0, text=call("print(1)")),
+               graded(0.0, text=call("print(1)", stdin="5")),             # same code, other input: different
+               graded(0.0, text="<answer> \\boxed{1} </answer>")],        # no call: not a program
+              [graded(0.0, text=call("x = 2\nprint(x)")), graded(0.0, text="<tool_call>\n{oops\n</tool_call>"),
+               graded(0.0), graded(0.0)]]
+    assert E.first_program(call("print(1)") + call("print(2)")) == "print(1)\n---\n"
+    assert E.summarize([P(), P()], groups, ks=())["distinct_programs_per_problem"] == (2 + 1) / 2
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, str(ROOT / "eval.py"), *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
