@@ -718,6 +718,9 @@ def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, sta
         f"tool err {stats['tool_error_rate'] if stats['tool_error_rate'] is not None else float('nan'):.2f} | "
         f"len {stats['response_len']:.0f} | loss {update['loss'] if update['loss'] is not None else float('nan'):.4f}"
         f" | {dt:.1f}s | {row['peak_mem_gb']:.1f} GB")
+    if heldout is not None:
+        log(f"[stage {stage}] held-out accuracy after step {step}: {row['heldout_acc']:.3f} "
+            f"({cfg.eval_problems} problems x {cfg.eval_samples} samples)")
     return row
 
 
