@@ -493,6 +493,11 @@ def first_program(model_text: str) -> str | None:
     return f"{call.code}\n---\n{call.stdin}" if call is not None and call.code is not None else None
 
 
+def distinct_programs_per_problem(groups) -> float | None:
+    """Mean number of different first programs among a problem's samples (1: every sample wrote the same)."""
+    return sum(len({first_program(t.model_text) for t in g} - {None}) for g in groups) / len(groups) if groups else None
+
+
 def summarize(problems, groups, ks=None) -> dict:
     """Per-problem grades -> the benchmark's numbers. groups[i] holds the graded samples of problems[i].
     pass@k and maj@k for k in ks (default: the powers of two up to n, and n itself)."""
@@ -519,9 +524,7 @@ def summarize(problems, groups, ks=None) -> dict:
         # advantage). Meaningful at the training temperature (1.0) with several samples per problem.
         "mixed_outcome_share": (sum(0 < sum(t.reward > 0 for t in g) < len(g) for g in groups) / len(groups)
                                 if groups and n > 1 else None),
-        # mean number of different first programs among a problem's samples (1 = every sample wrote the same)
-        "distinct_programs_per_problem": (sum(len({first_program(t.model_text) for t in g} - {None}) for g in groups)
-                                          / len(groups) if groups else None),
+        "distinct_programs_per_problem": distinct_programs_per_problem(groups),
     }
     for k in ks:
         if 1 < k <= n:

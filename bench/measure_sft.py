@@ -53,7 +53,7 @@ def measure(model, tokenizer, pool, loop, problems, samples: int, args) -> dict:
         "answer_format_ok": sum(grader.answer_format_ok(t.model_text) for t in trajs) / len(trajs),
         "accuracy": sum(map(sum, rewards)) / len(trajs),
         "mixed_groups": sum(0 < sum(r) < len(r) for r in rewards) / len(rewards),
-        "distinct_programs": grader.summarize(problems, groups, ks=())["distinct_programs_per_problem"],
+        "distinct_programs": grader.distinct_programs_per_problem(groups),
         "calls_per_traj": calls / len(trajs), "ok_call_share": ok_calls / max(1, calls),
         "finish": {k: sum(t.finish_reason == k for t in trajs) for k in sorted({t.finish_reason for t in trajs})},
         "mean_response_tokens": sum(t.num_response_tokens for t in trajs) / len(trajs),
