@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"  # the name `--model` takes for the bundled model
@@ -181,7 +182,7 @@ def _malloc_trim():
         return None
 
 
-def next_token_logits(model, ids, attention_mask, start: int, share_prefix: bool = True):
+def next_token_logits(model, ids, attention_mask, start: int, share_prefix: bool = True, keep=None):
     """Logits that predict ids[:, start:] (logits[b, j] predicts ids[b, start + j]), for right-padded rows
     whose first `start` tokens are the same (start >= 1). Used by the SFT loss and the RL log-probs.
 
@@ -189,26 +190,48 @@ def next_token_logits(model, ids, attention_mask, start: int, share_prefix: bool
     With share_prefix, that prefix is forwarded once (batch size 1, with gradient), its KV cache is expanded (a
     view, not a copy) to the batch, and only the rest of each row is forwarded against it. The result equals
     the plain padded forward exactly, gradients included: they flow through the expanded cache into the prefix.
-    Only logits from position start - 1 on are computed (the vocabulary projection is the costly part)."""
+
+    The vocabulary projection is the costly part (49K outputs a token: a fifth of SmolLM2's forward, and the
+    largest tensors). Only logits from position start - 1 on are computed, and with `keep` (bool [B, L - start],
+    e.g. "this target is labeled") only those: the result is then logits[keep], shape [keep.sum(), V], rows in
+    row-major order of `keep` (models.projection_only_at)."""
     import inspect
 
     import torch
 
     B, L = ids.shape
+    # the hidden state at t gives the logits for token t + 1: positions start-1 .. L-1 (the last predicts nothing)
+    wanted = None if keep is None else torch.cat([keep, keep.new_zeros(B, 1)], dim=1)   # [B, L - start + 1]
     if not share_prefix or B == 1 or start < 2:
-        out = model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=L - start + 1)
-        return out.logits[:, :-1]
-    head = model(input_ids=ids[:1, :start], use_cache=True, logits_to_keep=1)   # the shared prefix, once
-    cache = head.past_key_values
+        with projection_only_at(model, wanted):
+            logits = model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=L - start + 1).logits
+        return logits if keep is not None else logits[:, :-1]
+    p = start - 1   # the shared prefix, once (its own logit is not needed: the tail starts one token earlier)
+    cache = model(input_ids=ids[:1, :p], use_cache=True, logits_to_keep=1).past_key_values
     for layer in cache.layers:  # one prefix, B rows: expand is a view, gradients add up into the prefix
         layer.keys = layer.keys.expand(B, -1, -1, -1)
         layer.values = layer.values.expand(B, -1, -1, -1)
-    positions = torch.arange(start, L, device=ids.device).unsqueeze(0).expand(B, -1)
+    positions = torch.arange(p, L, device=ids.device).unsqueeze(0).expand(B, -1)
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x / 4.x
-    tail = model(input_ids=ids[:, start:], attention_mask=attention_mask, position_ids=positions,
-                 **{cache_kw: cache})
-    # logits at position t predict token t+1: the prefix's last logit predicts ids[:, start]
-    return torch.cat([head.logits[:, -1:].expand(B, -1, -1), tail.logits[:, :-1]], dim=1)
+    with projection_only_at(model, wanted):
+        logits = model(input_ids=ids[:, p:], attention_mask=attention_mask, position_ids=positions,
+                       **{cache_kw: cache}).logits
+    return logits if keep is not None else logits[:, :-1]
+
+
+@contextmanager
+def projection_only_at(model, wanted):
+    """Inside: the model's output projection (lm_head) sees only the hidden states where `wanted` [B, T] is
+    True, so the forward returns logits [wanted.sum(), V] instead of [B, T, V]. A forward pre-hook keeps the
+    call to the model itself (FSDP's hooks on the root module run as usual); None: no change."""
+    if wanted is None:
+        yield
+        return
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _head, args: (args[0][wanted],))
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 def tiny_model(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2):

@@ -927,10 +927,12 @@ def batch_loss(model, batch: dict, share_prefix: bool = True):
     device = next(model.parameters()).device
     ids, attn, labels = (batch[k].to(device) for k in ("input_ids", "attention_mask", "labels"))
     start = 1 + (shared_prefix_len(batch) if share_prefix else 0)   # logits predict ids[:, start:]
-    logits = models.next_token_logits(model, ids, attn, start, share_prefix=share_prefix and start >= 16)
     targets = labels[:, start:]
-    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
-    return loss_sum, int((targets != -100).sum())
+    labeled = targets != -100   # assistant tokens: only their logits are computed (a third of the rest is not)
+    logits = models.next_token_logits(model, ids, attn, start, share_prefix=share_prefix and start >= 16,
+                                      keep=labeled)
+    loss_sum = F.cross_entropy(logits.float(), targets[labeled], reduction="sum")
+    return loss_sum, int(labeled.sum())
 
 
 def my_micro_batches_of(examples: list[Trajectory], max_tokens: int) -> list:

@@ -155,12 +155,19 @@ def test_no_gradient_from_system_user_or_tool_tokens(tokenizer, examples):
     logits = torch.randn(B, T, 50, requires_grad=True)
     ids = batch["input_ids"] % 50
 
-    class FixedLogits:  # a stand-in model whose logits are a leaf tensor, so their gradient can be read
+    class FixedLogits(torch.nn.Module):  # a stand-in model whose logits are a leaf tensor (gradient readable)
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Identity()  # the output projection, which batch_loss restricts to labels
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
         def parameters(self):
             return iter([logits])
 
-        def __call__(self, input_ids, attention_mask, logits_to_keep=0):  # as transformers: the last N positions
-            return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+        def forward(self, input_ids, attention_mask, logits_to_keep=0):  # as transformers: the last N positions
+            return SimpleNamespace(logits=self.lm_head(logits[:, -logits_to_keep:] if logits_to_keep else logits))
 
     labels = torch.where(batch["labels"] == -100, -100, ids)
     loss_sum, count = sft.batch_loss(FixedLogits(), {**batch, "input_ids": ids, "labels": labels}, share_prefix=False)
@@ -185,6 +192,27 @@ def test_shared_prefix_gives_the_same_loss_and_gradients(tokenizer, examples):
     assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
     for a, b in zip(grads[0][1], grads[1][1]):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-3)
+
+
+def test_loss_equals_cross_entropy_of_the_plain_full_forward(tokenizer, examples):
+    """batch_loss projects only the labeled positions onto the vocabulary (model.next_token_logits with keep):
+    the same summed loss and gradients as the textbook loss over a plain forward's full [B, T, V] logits."""
+    model = models.tiny_model(tokenizer, seed=2)
+    batch = sft.collate(examples[:4], tokenizer.pad_token_id)
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert out.logits.shape[:2] == batch["input_ids"].shape      # the reference computes every logit
+    ref = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                                            ignore_index=-100, reduction="sum")
+    ref.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    for share in (False, True):
+        model.zero_grad()
+        loss_sum, count = sft.batch_loss(model, batch, share_prefix=share)
+        loss_sum.backward()
+        assert count == sum(t.num_model_tokens for t in examples[:4])
+        assert loss_sum.item() == pytest.approx(ref.item(), rel=1e-5)
+        for a, p in zip(ref_grads, model.parameters()):
+            assert torch.allclose(a, p.grad, atol=1e-5, rtol=1e-3)
 
 
 def test_micro_batches_give_the_batch_gradient(tokenizer, examples):
