@@ -249,10 +249,13 @@ def shared_prefix_length(seqs: list[list[int]]) -> int:
     return max(n, 1)
 
 
-def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share_prefix: bool = True):
+def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share_prefix: bool = True,
+                   masks: list[list[int]] | None = None):
     """log pi(x_t | x_<t) for every token after the shared prefix. Returns (logprobs [B, T], start index P):
     logprobs[b, j] is the log-probability of seqs[b][P + j] (zero where the row is padding). share_prefix=False
-    forwards the prefix with every row (one forward pass whatever the data: what FSDP's ranks need)."""
+    forwards the prefix with every row (one forward pass whatever the data: what FSDP's ranks need).
+    masks (the loss masks, 1 = model token): only those tokens' logits are computed, the rest are zero (the
+    tool responses and padding need no 49K-wide vocabulary projection)."""
     import torch
 
     import model as models
@@ -265,10 +268,18 @@ def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share
     for b, s in enumerate(seqs):
         ids[b, :len(s)] = torch.tensor(s, device=device)
         mask[b, :len(s)] = 1
-    logits = models.next_token_logits(model, ids, mask, P, share_prefix).float()
     rest, rest_mask = ids[:, P:], mask[:, P:]
-    logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, rest.unsqueeze(-1)).squeeze(-1)
-    return logp * rest_mask, P
+    if masks is None:
+        logits = models.next_token_logits(model, ids, mask, P, share_prefix).float()
+        logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, rest.unsqueeze(-1)).squeeze(-1)
+        return logp * rest_mask, P
+    keep = torch.zeros(B, L, dtype=torch.bool, device=device)
+    for b, m in enumerate(masks):
+        keep[b, :len(m)] = torch.tensor(m, device=device) == 1
+    keep = keep[:, P:]
+    logits = models.next_token_logits(model, ids, mask, P, share_prefix, keep=keep).float()   # [keep.sum(), V]
+    kept = torch.log_softmax(logits / temperature, dim=-1).gather(-1, rest[keep].unsqueeze(-1)).squeeze(-1)
+    return torch.zeros(rest.shape, dtype=kept.dtype, device=device).masked_scatter(keep, kept), P
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -490,8 +501,10 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
 
     def logprobs(mb):
         """log pi for a micro-batch; None is a rank's empty pass (distributed.my_micro_batches)."""
-        batch = [seqs[i] for i in mb] if mb is not None else [seqs[0][:2]]
-        return token_logprobs(model, batch, cfg.temperature, share_prefix=world == 1)
+        if mb is None:
+            return token_logprobs(model, [seqs[0][:2]], cfg.temperature, share_prefix=world == 1)
+        return token_logprobs(model, [seqs[i] for i in mb], cfg.temperature, share_prefix=world == 1,
+                              masks=[masks[i] for i in mb])   # only model tokens enter the loss
 
     order = list(range(len(seqs)))
     rng.shuffle(order)

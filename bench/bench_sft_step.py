@@ -6,15 +6,17 @@ FLOPs per token, and the largest tensors of a step (the logits, their fp32 copy 
 sft.batch_loss asks model.next_token_logits for the logits of labeled (assistant) tokens only; the baseline here
 is the same loss computed from every position's logits, as before (the answer is the same: test_sft checks it).
 
-Each variant runs in its own child process (so each has its own peak memory) over the same batches of the CPU
-preset's data: K optimizer steps exactly as sft.run_sft takes them (micro-batches, bf16 autocast where the CPU
-has bf16 units, clip, AdamW). The first step is a warm-up and is not timed.
+Over the first K batches of the CPU preset's data, with the steps exactly as sft.run_sft takes them
+(micro-batches, bf16 autocast where the CPU has bf16 units, clip, AdamW):
+  timing   one process runs both variants' forward and backward passes on every batch, in alternating order
+           (a slow spell of a shared host hits both), then one optimizer step; the first batch is a warm-up
+  memory   each variant alone in a child process of its own: its peak resident memory, and its losses
 
-    python bench/bench_sft_step.py              # 6 steps of 8 examples per variant (about 4 minutes on 2 cores)
+    python bench/bench_sft_step.py              # 6 batches of 8 examples (about 7 minutes on 2 cores)
     python bench/bench_sft_step.py --steps 10
 
-The last line printed is one JSON object: mean step seconds (steps 2..K), peak resident memory per variant, the
-largest loss difference between them (bf16 rounding), and speed-up = baseline time / labeled-only time.
+The last line printed is one JSON object: mean forward + backward seconds per batch of each variant, speed-up =
+baseline / labeled-only, peak resident memory of each, and the largest loss difference (bf16 rounding).
 """
 from __future__ import annotations
 
@@ -45,64 +47,98 @@ def every_position_loss(model, batch: dict, share_prefix: bool = True):
     return loss_sum, int((targets != -100).sum())
 
 
-def child(variant: str, steps: int, n_examples: int) -> dict:
-    """K SFT steps of one variant; returns its step times, losses and peak resident memory."""
+def setup(n_examples: int, steps: int):
+    """The bundled model, the CPU preset's config, its first `steps` batches, and AdamW."""
     import torch
 
-    if variant == "every_position":
-        sft.batch_loss = every_position_loss  # accumulate_gradients calls it through the module
     path = models.resolve_model(models.DEFAULT_MODEL)
     model, tokenizer = models.load_model(path), models.load_tokenizer(path)
     cfg = sft.SFTConfig(n_examples=n_examples)
     examples = sft.build_sft_examples(tokenizer, n_examples, cfg.seed, None, cfg)  # a private sandbox pool
     batches = sft.length_batches(examples, cfg.batch_size, random.Random(cfg.seed))[:steps]
-    pad_id = tokenizer.pad_token_id
     torch.manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas)
     model.train()
-    times, losses = [], []
+    return model, tokenizer.pad_token_id, cfg, batches, torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+                                                                          betas=cfg.betas)
+
+
+def gradients(model, batch, cfg, pad_id, variant: str) -> tuple[float, float]:
+    """One step's forward and backward passes (sft.accumulate_gradients) with one loss; (loss, seconds)."""
+    sft.batch_loss = LOSSES[variant]  # accumulate_gradients calls it through the module
+    model.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    loss = sft.accumulate_gradients(model, batch, cfg, pad_id)
+    return loss, time.perf_counter() - t0
+
+
+def optimizer_step(model, opt, cfg) -> None:
+    import torch
+
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    models.release_freed_memory()
+
+
+def memory_child(variant: str, steps: int, n_examples: int) -> dict:
+    """K SFT steps with one variant only, in a process of its own: its peak resident memory and losses."""
+    model, pad_id, cfg, batches, opt = setup(n_examples, steps)
+    losses = []
     for batch in batches:
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        losses.append(sft.accumulate_gradients(model, batch, cfg, pad_id))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        models.release_freed_memory()
-        times.append(time.perf_counter() - t0)
-        print(f"[{variant}] step {len(times)}: {times[-1]:.1f}s loss {losses[-1]:.4f}", flush=True)
-    return {"step_s": times, "timed_s": sum(times[1:]), "losses": losses,
+        losses.append(gradients(model, batch, cfg, pad_id, variant)[0])
+        optimizer_step(model, opt, cfg)
+        print(f"[memory, {variant}] step {len(losses)}: loss {losses[-1]:.4f}", flush=True)
+    return {"losses": losses, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "tokens": sum(len(t.input_ids) for b in batches for t in b),
-            "labeled_tokens": sum(t.num_model_tokens for b in batches for t in b),
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+            "labeled_tokens": sum(t.num_model_tokens for b in batches for t in b)}
+
+
+def timing_child(steps: int, n_examples: int) -> dict:
+    """Both variants on every batch, in alternating order (so a slow spell of a shared host hits both), then one
+    optimizer step (from the labeled-only gradients: the model trains as sft.run_sft trains it)."""
+    model, pad_id, cfg, batches, opt = setup(n_examples, steps)
+    seconds = {v: [] for v in LOSSES}
+    for k, batch in enumerate(batches):
+        order = list(LOSSES) if k % 2 == 0 else list(LOSSES)[::-1]
+        for variant in order:
+            loss, s = gradients(model, batch, cfg, pad_id, variant)
+            seconds[variant].append(s)
+        optimizer_step(model, opt, cfg)
+        print(f"[timing] step {k + 1}: " + ", ".join(f"{v} {seconds[v][-1]:.1f}s" for v in LOSSES), flush=True)
+    return {v: sum(t[1:]) / (len(t) - 1) for v, t in seconds.items()}  # the first step is a warm-up
+
+
+LOSSES = {"every_position": every_position_loss, "labeled_only": sft.batch_loss}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per variant (the first is not timed)")
     parser.add_argument("--n-examples", type=int, default=304, help="examples generated (the CPU preset's count)")
-    parser.add_argument("--child", choices=["labeled_only", "every_position"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["labeled_only", "every_position", "timing"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is a warm-up)")
     if args.child:
-        print(json.dumps(child(args.child, args.steps, args.n_examples)))
+        run = (lambda: timing_child(args.steps, args.n_examples)) if args.child == "timing" else \
+            (lambda: memory_child(args.child, args.steps, args.n_examples))
+        print(json.dumps(run()))
         return
     out = {}
-    for variant in ("every_position", "labeled_only"):
-        cmd = [sys.executable, __file__, "--child", variant, "--steps", str(args.steps),
+    for child in ("timing", "every_position", "labeled_only"):
+        cmd = [sys.executable, __file__, "--child", child, "--steps", str(args.steps),
                "--n-examples", str(args.n_examples)]
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         if done.returncode != 0:
-            sys.exit(f"bench_sft_step: the {variant} child failed (exit {done.returncode})")
+            sys.exit(f"bench_sft_step: the {child} child failed (exit {done.returncode})")
         lines = done.stdout.strip().splitlines()
         print("\n".join(lines[:-1]), flush=True)
-        out[variant] = json.loads(lines[-1])
-    base, ours = out["every_position"], out["labeled_only"]
+        out[child] = json.loads(lines[-1])
+    time_s, base, ours = out["timing"], out["every_position"], out["labeled_only"]
     result = {"steps": args.steps, "examples_per_step": sft.SFTConfig().batch_size,
               "labeled_token_share": round(ours["labeled_tokens"] / ours["tokens"], 3),
-              "every_position_step_s": round(base["timed_s"] / (args.steps - 1), 2),
-              "labeled_only_step_s": round(ours["timed_s"] / (args.steps - 1), 2),
-              "speedup": round(base["timed_s"] / ours["timed_s"], 3),
+              "every_position_fwd_bwd_s": round(time_s["every_position"], 2),
+              "labeled_only_fwd_bwd_s": round(time_s["labeled_only"], 2),
+              "speedup": round(time_s["every_position"] / time_s["labeled_only"], 3),
               "every_position_peak_gb": round(base["peak_rss_gb"], 2),
               "labeled_only_peak_gb": round(ours["peak_rss_gb"], 2),
               "max_loss_diff": max(abs(a - b) for a, b in zip(base["losses"], ours["losses"]))}

@@ -45,6 +45,31 @@ def test_token_logprobs_equal_full_forward_with_gradients(tokenizer):
         assert torch.allclose(g_fast, p.grad, atol=1e-5)
 
 
+def test_token_logprobs_with_loss_masks_compute_only_model_tokens(tokenizer):
+    """masks=: log-probs (and gradients) of the model tokens equal the plain forward's; the rest are zero."""
+    m = models.tiny_model(tokenizer, seed=3)
+    prompt = scheduler.render_prompt(tokenizer, "What is 2+3?")[:40]
+    seqs = [prompt + [11, 12, 13, 14, 15, 16], prompt + [21, 22, 23], prompt[:35] + [5, 6, 7, 8, 9, 10, 11]]
+    masks = [[0] * 40 + [1, 1, 0, 0, 1, 1], [0] * 40 + [1, 0, 1], [0] * 35 + [1, 1, 1, 0, 0, 1, 1]]
+    for share in (True, False):
+        m.zero_grad()
+        logp, P = R.token_logprobs(m, seqs, temperature=0.7, share_prefix=share, masks=masks)
+        logp.sum().backward()
+        fast_grads = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        ref_total = 0.0
+        for b, (s, mask) in enumerate(zip(seqs, masks)):
+            full = torch.log_softmax(m(input_ids=torch.tensor([s])).logits[0].float() / 0.7, -1)
+            ref = full[P - 1:-1].gather(-1, torch.tensor(s[P:]).unsqueeze(-1)).squeeze(-1)
+            ref = ref * torch.tensor(mask[P:], dtype=ref.dtype)
+            assert torch.allclose(logp[b, : len(s) - P], ref, atol=1e-5)
+            assert torch.all(logp[b, len(s) - P:] == 0)
+            ref_total = ref_total + ref.sum()
+        ref_total.backward()
+        for g_fast, p in zip(fast_grads, m.parameters()):
+            assert torch.allclose(g_fast, p.grad, atol=1e-5)
+
+
 def test_pack_micro_batches_respects_token_budget():
     lengths = [100, 50, 400, 90, 300, 10]
     batches = distributed.pack_micro_batches(lengths, 400)
@@ -329,7 +354,9 @@ def test_fsdp_update_on_two_ranks_equals_one_process(tmp_path, tiny_model_dir, t
     assert got["numbers"]["train_tokens"] == ref["train_tokens"]
     moved = 0
     for name, value in m.state_dict().items():
-        assert torch.allclose(got["weights"][name], value, atol=2e-6), name
+        # the weights move ~2e-3 (lr 1e-3, two AdamW steps); the ranks sum their gradients in another order, and
+        # Adam's per-element scaling turns that rounding into up to ~3e-6 (0.2% of the step)
+        assert torch.allclose(got["weights"][name], value, atol=1e-5), name
         moved += int((value != before[name]).sum())
     assert moved > 1000  # the update really changed the weights
 
