@@ -928,7 +928,7 @@ def batch_loss(model, batch: dict, share_prefix: bool = True):
     ids, attn, labels = (batch[k].to(device) for k in ("input_ids", "attention_mask", "labels"))
     start = 1 + (shared_prefix_len(batch) if share_prefix else 0)   # logits predict ids[:, start:]
     targets = labels[:, start:]
-    labeled = targets != -100   # assistant tokens: only their logits are computed (a third of the rest is not)
+    labeled = targets != -100   # assistant tokens: the only logits computed (~2/3 of the tokens after the prompt)
     logits = models.next_token_logits(model, ids, attn, start, share_prefix=share_prefix and start >= 16,
                                       keep=labeled)
     loss_sum = F.cross_entropy(logits.float(), targets[labeled], reduction="sum")
