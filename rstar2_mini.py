@@ -254,8 +254,8 @@ def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share
     """log pi(x_t | x_<t) for every token after the shared prefix. Returns (logprobs [B, T], start index P):
     logprobs[b, j] is the log-probability of seqs[b][P + j] (zero where the row is padding). share_prefix=False
     forwards the prefix with every row (one forward pass whatever the data: what FSDP's ranks need).
-    masks (the loss masks, 1 = model token): only those tokens' logits are computed, the rest are zero (the
-    tool responses and padding need no 49K-wide vocabulary projection)."""
+    masks (the loss masks, 1 = model token): only those tokens' logits are computed, the rest are zero too (the
+    tool responses need no 49K-wide vocabulary projection); None: every real token."""
     import torch
 
     import model as models
@@ -265,18 +265,12 @@ def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share
     B, L = len(seqs), max(len(s) for s in seqs)
     ids = torch.zeros(B, L, dtype=torch.long, device=device)
     mask = torch.zeros(B, L, dtype=torch.long, device=device)
+    keep = torch.zeros(B, L, dtype=torch.bool, device=device)   # the tokens whose log-prob is computed
     for b, s in enumerate(seqs):
         ids[b, :len(s)] = torch.tensor(s, device=device)
         mask[b, :len(s)] = 1
-    rest, rest_mask = ids[:, P:], mask[:, P:]
-    if masks is None:
-        logits = models.next_token_logits(model, ids, mask, P, share_prefix).float()
-        logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, rest.unsqueeze(-1)).squeeze(-1)
-        return logp * rest_mask, P
-    keep = torch.zeros(B, L, dtype=torch.bool, device=device)
-    for b, m in enumerate(masks):
-        keep[b, :len(m)] = torch.tensor(m, device=device) == 1
-    keep = keep[:, P:]
+        keep[b, :len(s)] = True if masks is None else torch.tensor(masks[b], device=device) == 1
+    rest, keep = ids[:, P:], keep[:, P:]
     logits = models.next_token_logits(model, ids, mask, P, share_prefix, keep=keep).float()   # [keep.sum(), V]
     kept = torch.log_softmax(logits / temperature, dim=-1).gather(-1, rest[keep].unsqueeze(-1)).squeeze(-1)
     return torch.zeros(rest.shape, dtype=kept.dtype, device=device).masked_scatter(keep, kept), P
