@@ -610,7 +610,9 @@ def on_rank0(fn, *args):
 def make_optimizer(model, cfg: Config):
     import torch
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
+    import model as models
+
+    optimizer = models.adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
     # lr_t = lr * min(1, (t + 1) / warmup): linear warm-up, then constant (paper)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / max(1, cfg.warmup_steps)))
     return optimizer, schedule

@@ -1,6 +1,7 @@
 """The RL trainer (rstar2_mini.py): exact log-probs with the shared prompt, checkpoints, a full RL step with real
 tool calls, exact resume, a learning test (the real loss raises reward; the flipped sign does not), and the
 command line's errors for people."""
+import copy
 import dataclasses
 import json
 import random
@@ -95,6 +96,40 @@ def test_checkpoint_pointer_is_atomic(tmp_path, tokenizer):
     R.save_checkpoint(tmp_path, m, tokenizer, {"step": 3, "cursor": 12})
     kept = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
     assert kept == ["step_000002", "step_000003"]  # the last two are kept
+
+
+def test_fused_adamw_takes_the_loop_adamws_steps_and_resumes_its_state(tokenizer):
+    """models.adamw (fused) is a drop-in for torch's AdamW: the same weights after several steps with the same
+    hyper-parameters, and it continues from an optimizer state saved by the loop form (older checkpoints)."""
+    hyper = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01)
+    loop_m, fused_m = models.tiny_model(tokenizer, seed=3), models.tiny_model(tokenizer, seed=3)
+    loop_opt = torch.optim.AdamW(loop_m.parameters(), **hyper)
+    fused_opt = models.adamw(fused_m.parameters(), **hyper)
+    assert fused_opt.defaults["fused"] and not loop_opt.defaults["fused"]
+    gen = torch.Generator().manual_seed(0)
+
+    def step(m, opt, grads):
+        for p, g in zip(m.parameters(), grads):
+            p.grad = g.clone()
+        opt.step()
+
+    start = [p.detach().clone() for p in loop_m.parameters()]
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=gen) for p in loop_m.parameters()]
+        step(loop_m, loop_opt, grads)
+        step(fused_m, fused_opt, grads)
+    for a, b, s in zip(loop_m.parameters(), fused_m.parameters(), start):
+        assert torch.allclose(a, b, atol=1e-6)
+        assert (a - s).abs().max() > 1e-3  # the steps really moved the weights
+    # resume: a fused optimizer loads the loop optimizer's state and both take the same next step
+    resumed = models.adamw(fused_m.parameters(), **hyper)
+    resumed.load_state_dict(copy.deepcopy(loop_opt.state_dict()))  # a copy, as a checkpoint on disk is
+    fused_m.load_state_dict(loop_m.state_dict())
+    grads = [torch.randn(p.shape, generator=gen) for p in loop_m.parameters()]
+    step(loop_m, loop_opt, grads)
+    step(fused_m, resumed, grads)
+    for a, b in zip(loop_m.parameters(), fused_m.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------
