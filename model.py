@@ -170,9 +170,9 @@ def release_freed_memory() -> None:
 
 def adamw(params, **hyper):
     """torch.optim.AdamW in its fused form: one kernel updates every parameter, instead of a Python loop that
-    runs several small ops per tensor (272 of them in SmolLM2). The same update up to float rounding; on this
-    2-core CPU an optimizer step of the 135M model takes a fraction of the loop's time (bench/bench_optimizer.py),
-    which adds up over the SFT's steps. Works on CPU and GPU tensors and on FSDP's DTensor shards."""
+    runs several small ops per tensor (272 of them in SmolLM2). The same update up to float rounding (a test
+    checks it, and that it resumes a loop-form state); on this 2-core CPU a step of the 135M model takes 0.065 s
+    against 0.20 s (bench/bench_optimizer.py). FSDP's DTensor shards take it too (the FSDP tests run it on CPU)."""
     import torch
 
     return torch.optim.AdamW(params, fused=True, **hyper)

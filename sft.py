@@ -555,10 +555,10 @@ def square_side(rng):
 
 def named_value(rng):
     """A question that names its quantity ("Let T = ..."): the program must define that name before using it.
-    (The SFT model's most common failure was the question "Let N = a^e. What is N mod m?": `print(N % m)` with N
-    never defined, or an answer without any call. With this chore and 5% direct answers, the two fell from 57 to
-    17 of 512 held-out trajectories: README.) Sums and products only, no powers or remainders: it teaches how a
-    named quantity becomes code, not the math of the RL families."""
+    (The SFT model's most common invalid call was on "Let N = a^e. What is N mod m?": `print(N % m)` with N never
+    defined. With this chore, such NameErrors fell from 38 to 9 of 512 held-out trajectories: README.) Sums and
+    products only, no powers or remainders: it teaches how a named quantity becomes code, not the math of the RL
+    families."""
     name = rng.choice(["N", "n", "T", "S", "x", "k", "M", "total"])
     a, b, c = rng.randint(12, 999), rng.randint(3, 99), rng.randint(1, 500)
     expr, value = rng.choice([(f"{a} * {b} + {c}", a * b + c), (f"{a} + {b} * {c}", a + b * c),
