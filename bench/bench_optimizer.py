@@ -19,6 +19,7 @@ largest weight difference between the two after all steps next to the largest we
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -50,10 +51,9 @@ def main() -> None:
 
     cfg = sft.SFTConfig()  # the SFT's hyper-parameters: lr, betas, weight decay
     hyper = dict(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    base = models.load_model(models.resolve_model(models.DEFAULT_MODEL))
-    start = {k: v.clone() for k, v in base.state_dict().items()}
-    loop_model, fused_model = base, models.load_model(models.resolve_model(models.DEFAULT_MODEL))
-    fused_model.load_state_dict(start)
+    loop_model = models.load_model(models.resolve_model(models.DEFAULT_MODEL))
+    fused_model = copy.deepcopy(loop_model)  # the same weights, its own tensors
+    start = {k: v.clone() for k, v in loop_model.state_dict().items()}
     loop_params, fused_params = list(loop_model.parameters()), list(fused_model.parameters())
     variants = {"loop": (loop_params, torch.optim.AdamW(loop_params, **hyper)),
                 "fused": (fused_params, models.adamw(fused_params, **hyper))}
