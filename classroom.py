@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 import tokenize
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -246,6 +246,7 @@ class Outcome:
     status: str                   # "passed" | "failed" | "skipped"
     text: str = ""                # pytest's short traceback (or the skip reason) of the first failing phase
     calls: set[str] = field(default_factory=set)   # with trace: the exercise functions its cases called
+    case: str = ""                # the case this outcome is from ("test_x[3-4]" of a parametrized test)
 
 
 @dataclass
@@ -307,7 +308,7 @@ def run_pytest(tree: Path, tests: list[str], timeout_s: float, verbose: bool, tr
                                          f"never ends?)")
     results = {}
     for test in tests:
-        mine = [o for c, o in cases.items() if belongs_to(c, test)]
+        mine = [replace(o, case=c) for c, o in cases.items() if belongs_to(c, test)]
         file = test.split("::")[0]
         if not mine:
             results[test] = Outcome("failed", f"{file} could not be collected:\n{collect_errors[file]}"
@@ -332,7 +333,7 @@ def one_pytest_run(tree: Path, files: list[str], tests: list[str], timeout_s: fl
     if trace:
         env[TRACE_ENV] = "1"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "classroom", "-p", "no:cacheprovider",
-           "--continue-on-collection-errors", "--tb=short", *files]
+           "--continue-on-collection-errors", "--tb=no", *files]
     with open(output, "w") as out:
         proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     current, last_event, offset, events = "collection", time.monotonic(), 0, 0
@@ -439,7 +440,9 @@ def report(copy: Path, scores: list[Score], seconds: float) -> str:
         failure = s.first_failure()
         if failure:
             test, outcome = failure
-            out += ["", f"{s.exercise.name}: first failing test {test} ({outcome.status})", explain(outcome.text),
+            case = outcome.case[len(test):] if outcome.case.startswith(test) else ""
+            out += ["", f"{s.exercise.name}: first failing test {test}{f', case {case}' if case else ''} "
+                        f"({outcome.status})", explain(outcome.text),
                     f"    handout: {s.exercise.handout.as_posix()}"]
     return "\n".join(out)
 
@@ -456,6 +459,7 @@ def as_json(copy: Path, scores: list[Score]) -> str:
 # The pytest plugin (active only in the run that `grade` starts: `-p classroom` with CLASSROOM_REPORT set)
 
 CALLS: set[str] = set()   # with CLASSROOM_TRACE: the exercise functions called by the current test
+FAILURES: dict[tuple[str, str], str] = {}   # (node id, phase) -> explanation, made where the exception is at hand
 
 
 def _log(event: dict) -> None:
@@ -504,12 +508,52 @@ def pytest_runtest_logstart(nodeid, location):
         _log({"kind": "start", "nodeid": nodeid})
 
 
+def comment_above(filename: str, lineno: int) -> list[str]:
+    """The nearest block of whole-line comments above a line of a test, within its function: in this project's
+    tests that is where the expected values are worked out by hand."""
+    import linecache
+
+    block: list[str] = []
+    for n in range(lineno - 1, 0, -1):
+        line = linecache.getline(filename, n).strip()
+        if line.startswith("#"):
+            block.insert(0, line)
+        elif block or line.startswith(("def ", "async def ", "@")):
+            break
+    return block
+
+
+def explain_exception(excinfo) -> str:
+    """The frames of the project (tests and modules; not pytest's, not the libraries'), the hand-worked comment
+    above the failing line of the test, and the exception as pytest's assertion rewriting words it. Much
+    cheaper than pytest's own report, which parses each file again for every failure."""
+    import traceback
+
+    here = os.getcwd() + os.sep
+    lines, test_frame = [], None
+    for frame in traceback.extract_tb(excinfo.tb):
+        if frame.filename.startswith(here) and "site-packages" not in frame.filename:
+            lines.append(f"{frame.filename[len(here):]}:{frame.lineno} in {frame.name}")
+            if frame.line:
+                lines.append(f"    {frame.line}")
+            if frame.filename[len(here):].startswith("tests" + os.sep):
+                test_frame = frame
+    notes = comment_above(test_frame.filename, test_frame.lineno) if test_frame else []
+    return "\n".join(lines + (["the test says:"] + [f"    {c}" for c in notes] if notes else [])
+                     + excinfo.exconly().splitlines())
+
+
+def pytest_runtest_makereport(item, call):
+    if REPORT_ENV in os.environ and call.excinfo is not None and call.excinfo.typename != "Skipped":
+        FAILURES[item.nodeid, call.when] = explain_exception(call.excinfo)
+
+
 def pytest_runtest_logreport(report):
     if REPORT_ENV not in os.environ:
         return
     text = ""
     if report.failed:
-        text = report.longreprtext
+        text = FAILURES.pop((report.nodeid, report.when), "") or report.longreprtext
     elif report.skipped and isinstance(report.longrepr, tuple):
         text = f"skipped: {report.longrepr[2]}"
     event = {"kind": "report", "nodeid": report.nodeid, "when": report.when, "outcome": report.outcome, "text": text}

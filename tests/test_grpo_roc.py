@@ -171,6 +171,7 @@ def test_roc_statistics_match_inverse_penalty_weighting_and_uniform_negatives():
     for i in range(4):   # sd of each frequency <= sqrt(0.25 / 20000) = 0.0035
         assert freq[i] == pytest.approx(expected[i], abs=0.015), (i, freq, expected)
     assert freq[0] > freq[1] > freq[2] > freq[3]
+    # negatives: floor(4 / 2) = 2 of the 4 kept uniformly, so each half the time, whatever its penalty
     for i in range(4, 8):
         assert freq[i] == pytest.approx(0.5, abs=0.015), (i, freq)
 
@@ -331,6 +332,8 @@ def test_policy_loss_matches_naive_loop_value_and_gradient(per_token_adv):
     slow = _naive_loss(lp2, old, adv, mask)
     fast.backward()
     slow.backward()
+    # value and gradient are the equation's, one token at a time: the mean over every masked token of the
+    # batch (not a mean of per-sequence means), clipped to [0.8, 1.28]
     assert fast.item() == pytest.approx(slow.item(), abs=1e-6)
     assert torch.allclose(lp1.grad, lp2.grad, atol=1e-7)
     assert 0 < stats["clip_frac"] < 1

@@ -286,7 +286,7 @@ def test_no_engine_is_ever_overfilled_and_tool_calls_release_capacity(tokenizer)
     loop.close()
 
 
-def test_requests_go_to_the_engine_with_most_free_capacity(tokenizer):
+def test_requests_go_to_the_engine_with_most_free_capacity():
     cfg = S.RolloutConfig()
     sched = S.Scheduler([S.SimulatedEngine(None, 1000), S.SimulatedEngine(None, 3000),
                          S.SimulatedEngine(None, 2000)], cfg, 1, 1)
