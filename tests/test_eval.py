@@ -40,6 +40,8 @@ def read_jsonl(name):
     (r"first \boxed{1}, then \boxed{2}", "2"),                                     # the last one
     (r"\boxed{\frac{1}{\sqrt{2}}}", r"\frac{1}{\sqrt{2}}"),                        # nested braces
     (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),                                            # escaped braces
+    (r"\boxed{\left\{ x \right.}", r"\left\{ x \right."),                          # an escaped brace need not close
+    (r"\boxed{1 \\}", r"1 \\"),                                                    # "\\" is a line break, not "\}"
     (r"\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),
     (r"the answer is $\boxed 5$.", "5"),                                           # \boxed without braces
     (r"\fbox{7}", "7"),
