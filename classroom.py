@@ -21,7 +21,8 @@ How data flows:
 
 The grading tests of one exercise call no function of another exercise (tests/test_classroom.py checks it),
 so each score depends only on that exercise's code. A test that makes no progress for --timeout seconds is
-stopped, counted as failed, and the run goes on with the tests left.
+stopped, counted as failed, and the run goes on with the tests left. grade also names the .py files that
+differ from the grader's outside the exercise functions: a note for the teacher, not part of the score.
 """
 from __future__ import annotations
 
@@ -62,59 +63,88 @@ class Exercise:
     paper: str                    # the section of arXiv 2508.20722v1 to read
     functions: tuple[str, ...]    # "module.py:function" or "module.py:Class.method"
     tests: tuple[str, ...]        # pytest node ids (a parametrized test counts once: all its cases must pass)
-    hours: float                  # a fair estimate for a student who has read the section
+    hours: float                  # an estimate of the work for a student who has read the section (not measured)
 
     @property
     def handout(self) -> Path:
         return HANDOUTS / f"{self.name}.md"
 
 
-ROC = "tests/test_grpo_roc.py::"
-SCHED = "tests/test_scheduler.py::"
-EVAL = "tests/test_eval.py::"
+def node_ids(file: str, *names: str) -> tuple[str, ...]:
+    return tuple(f"{file}::{name}" for name in names)
+
 
 EXERCISES = [
-    Exercise("advantages", "Group advantages and dropping uninformative groups", "2.2 and 2.2.3",
-             ("grpo_roc.py:group_advantages", "grpo_roc.py:drop_uninformative"),
-             (ROC + "test_group_advantages_hand_values", ROC + "test_group_advantages_never_nan",
-              ROC + "test_group_advantages_match_the_formula_over_random_groups", ROC + "test_drop_uninformative",
-              ROC + "test_drop_uninformative_over_random_groups"), 1),
-    Exercise("roc", "Resample-on-Correct: the RoC penalty and asymmetric down-sampling", "2.2.3",
-             ("grpo_roc.py:roc_penalty", "grpo_roc.py:roc_downsample"),
-             (ROC + "test_roc_penalty_hand_values", ROC + "test_roc_penalty_matches_the_equation_on_a_grid",
-              ROC + "test_roc_penalty_rejects_bad_counts", ROC + "test_downsample_exact_counts_for_every_split_of_2g",
-              ROC + "test_downsample_general_keep_and_fill", ROC + "test_downsample_validation",
-              ROC + "test_downsample_is_reproducible_from_the_rng",
-              ROC + "test_topk_keeps_lowest_penalty_positives_and_breaks_ties_at_random",
-              ROC + "test_zero_penalty_positives_come_first",
-              ROC + "test_roc_statistics_match_inverse_penalty_weighting_and_uniform_negatives",
-              ROC + "test_roc_first_pick_ratio_is_the_inverse_penalty_ratio",
-              ROC + "test_mode_none_is_a_uniform_subset_blind_to_rewards"), 3),
-    Exercise("loss", "The clipped token-level policy loss with clip-higher and masking", "2.2",
-             ("grpo_roc.py:policy_loss",),
-             (ROC + "test_policy_loss_hand_values_positive_advantage",
-              ROC + "test_policy_loss_hand_values_negative_advantage", ROC + "test_policy_loss_clip_range_is_configurable",
-              ROC + "test_policy_loss_matches_naive_loop_value_and_gradient",
-              ROC + "test_masked_tokens_get_zero_gradient_even_with_nan_and_inf",
-              ROC + "test_num_tokens_makes_micro_batches_add_up_to_the_batch_token_mean",
-              ROC + "test_policy_loss_no_kl_no_entropy_and_edge_cases", ROC + "test_policy_loss_accepts_bf16_logprobs"),
-             3),
-    Exercise("tool-call", "Parsing a tool call; a bad call comes back as an error text", "2.1",
-             ("scheduler.py:parse_tool_call", "scheduler.py:run_tool"),
-             (SCHED + "test_parse_tool_call_reads_a_good_call", SCHED + "test_parse_tool_call_without_a_complete_call_is_none",
-              SCHED + "test_parse_tool_call_round_trips_any_code_and_input", SCHED + "test_a_bad_call_becomes_an_error_text",
-              SCHED + "test_run_tool_runs_good_calls_and_hands_bad_ones_back_as_text"), 2),
-    Exercise("scheduler", "The load-balanced rollout scheduler's placement rule", "3.2",
-             ("scheduler.py:Scheduler.pick_engine", "scheduler.py:Scheduler.near_best"),
-             (SCHED + "test_requests_go_to_the_engine_with_most_free_capacity",
-              SCHED + "test_a_continuation_waits_for_the_engine_holding_its_prefix_without_blocking_the_others",
-              SCHED + "test_pick_engine_follows_the_rule_on_random_loads",
-              SCHED + "test_kv_routing_serves_every_request_on_the_freest_engine_without_overfilling"), 2),
-    Exercise("answer", "A strict answer check for the reward: the final boxed answer, exact numbers", "2.2",
-             ("eval.py:answer_region", "eval.py:braced_group", "eval.py:last_boxed", "eval.py:plain_number"),
-             (EVAL + "test_extract_answer", EVAL + "test_answer_format_ok", EVAL + "test_reward",
-              EVAL + "test_plain_number_exact_values", EVAL + "test_plain_number_is_none_for_anything_else",
-              EVAL + "test_plain_numbers_compare_exactly"), 2),
+    Exercise(
+        "advantages", "Group advantages and dropping uninformative groups", "2.2 and 2.2.3",
+        ("grpo_roc.py:group_advantages", "grpo_roc.py:drop_uninformative"),
+        node_ids("tests/test_grpo_roc.py",
+                 "test_group_advantages_hand_values",
+                 "test_group_advantages_never_nan",
+                 "test_group_advantages_match_the_formula_over_random_groups",
+                 "test_drop_uninformative",
+                 "test_drop_uninformative_over_random_groups"),
+        hours=1),
+    Exercise(
+        "roc", "Resample-on-Correct: the RoC penalty and asymmetric down-sampling", "2.2.3",
+        ("grpo_roc.py:roc_penalty", "grpo_roc.py:roc_downsample"),
+        node_ids("tests/test_grpo_roc.py",
+                 "test_roc_penalty_hand_values",
+                 "test_roc_penalty_matches_the_equation_on_a_grid",
+                 "test_roc_penalty_rejects_bad_counts",
+                 "test_downsample_exact_counts_for_every_split_of_2g",
+                 "test_downsample_general_keep_and_fill",
+                 "test_downsample_validation",
+                 "test_downsample_is_reproducible_from_the_rng",
+                 "test_topk_keeps_lowest_penalty_positives_and_breaks_ties_at_random",
+                 "test_zero_penalty_positives_come_first",
+                 "test_roc_statistics_match_inverse_penalty_weighting_and_uniform_negatives",
+                 "test_roc_first_pick_ratio_is_the_inverse_penalty_ratio",
+                 "test_mode_none_is_a_uniform_subset_blind_to_rewards"),
+        hours=3),
+    Exercise(
+        "loss", "The clipped token-level policy loss with clip-higher and masking", "2.2",
+        ("grpo_roc.py:policy_loss",),
+        node_ids("tests/test_grpo_roc.py",
+                 "test_policy_loss_hand_values_positive_advantage",
+                 "test_policy_loss_hand_values_negative_advantage",
+                 "test_policy_loss_clip_range_is_configurable",
+                 "test_policy_loss_matches_naive_loop_value_and_gradient",
+                 "test_masked_tokens_get_zero_gradient_even_with_nan_and_inf",
+                 "test_num_tokens_makes_micro_batches_add_up_to_the_batch_token_mean",
+                 "test_policy_loss_no_kl_no_entropy_and_edge_cases",
+                 "test_policy_loss_accepts_bf16_logprobs"),
+        hours=3),
+    Exercise(
+        "tool-call", "Parsing a tool call; a bad call comes back as an error text", "2.1",
+        ("scheduler.py:parse_tool_call", "scheduler.py:run_tool"),
+        node_ids("tests/test_scheduler.py",
+                 "test_parse_tool_call_reads_a_good_call",
+                 "test_parse_tool_call_without_a_complete_call_is_none",
+                 "test_parse_tool_call_round_trips_any_code_and_input",
+                 "test_a_bad_call_becomes_an_error_text",
+                 "test_run_tool_runs_good_calls_and_hands_bad_ones_back_as_text"),
+        hours=2),
+    Exercise(
+        "scheduler", "The load-balanced rollout scheduler's placement rule", "3.2",
+        ("scheduler.py:Scheduler.pick_engine", "scheduler.py:Scheduler.near_best"),
+        node_ids("tests/test_scheduler.py",
+                 "test_requests_go_to_the_engine_with_most_free_capacity",
+                 "test_a_continuation_waits_for_the_engine_holding_its_prefix_without_blocking_the_others",
+                 "test_pick_engine_follows_the_rule_on_random_loads",
+                 "test_kv_routing_serves_every_request_on_the_freest_engine_without_overfilling"),
+        hours=2),
+    Exercise(
+        "answer", "A strict answer check for the reward: the final boxed answer, exact numbers", "2.2",
+        ("eval.py:answer_region", "eval.py:braced_group", "eval.py:last_boxed", "eval.py:plain_number"),
+        node_ids("tests/test_eval.py",
+                 "test_extract_answer",
+                 "test_answer_format_ok",
+                 "test_reward",
+                 "test_plain_number_exact_values",
+                 "test_plain_number_is_none_for_anything_else",
+                 "test_plain_numbers_compare_exactly"),
+        hours=2),
 ]
 BY_NAME = {e.name: e for e in EXERCISES}
 
@@ -244,9 +274,44 @@ def make_student_copy(dest: Path, exercises: list[Exercise], source: Path = ROOT
 @dataclass
 class Outcome:
     status: str                   # "passed" | "failed" | "skipped"
-    text: str = ""                # pytest's short traceback (or the skip reason) of the first failing phase
+    text: str = ""                # why: the failing frames and the exception (or the skip reason)
     calls: set[str] = field(default_factory=set)   # with trace: the exercise functions its cases called
     case: str = ""                # the case this outcome is from ("test_x[3-4]" of a parametrized test)
+
+
+def outside_functions(source: str, qualnames: list[str]) -> str:
+    """A module's text with the named functions cut after their docstrings: what a student should not change."""
+    tree, lines = ast.parse(source), source.splitlines(keepends=True)
+    functions = sorted((find_function(tree, q) for q in qualnames), key=lambda fn: fn.lineno, reverse=True)
+    for fn in functions:
+        lines[fn.body[0].end_lineno:fn.end_lineno] = []
+    return "".join(lines)
+
+
+def changed_elsewhere(copy: Path, handed_out: list[str], grader: Path = ROOT) -> list[str]:
+    """The top-level .py files of a copy that differ from the grader's outside the handed-out exercises'
+    function bodies (added helper functions included). Only a note for the teacher: the grade is unaffected."""
+    functions: dict[str, list[str]] = {}
+    for ex in chosen(handed_out):
+        for item in ex.functions:
+            module, qualname = item.split(":")
+            functions.setdefault(module, []).append(qualname)
+    changed = []
+    names = ({p.name for p in copy.glob("*.py")} | {p.name for p in grader.glob("*.py")}) - {"classroom.py"}
+    for name in sorted(names):
+        mine, theirs = copy / name, grader / name
+        if not mine.exists() or not theirs.exists():
+            changed.append(f"{name} ({'removed' if theirs.exists() else 'added'})")
+            continue
+        a, b = mine.read_text(errors="replace"), theirs.read_text(errors="replace")
+        if name in functions:
+            try:
+                a, b = outside_functions(a, functions[name]), outside_functions(b, functions[name])
+            except (SyntaxError, LookupError, ValueError):
+                pass                           # compared whole: a syntax error or a renamed function is a change
+        if a != b:
+            changed.append(name)
+    return changed
 
 
 @dataclass
@@ -301,7 +366,8 @@ def run_pytest(tree: Path, tests: list[str], timeout_s: float, verbose: bool, tr
         if stuck is None:
             break
         if stuck == "collection":   # importing a test file (so a student module) never ended
-            collect_errors.update({f: "stopped: importing it (or the modules it tests) made no progress" for f in files})
+            reason = "stopped: importing it (or the modules it tests) made no progress"
+            collect_errors.update({f: reason for f in files})
             break
         stalled.append(next((t for t in left if belongs_to(stuck, t)), stuck))
         cases[stuck] = Outcome("failed", f"stopped: no progress for {timeout_s:g} s (an endless loop? a wait that "
@@ -427,7 +493,7 @@ def explain(text: str) -> str:
     return "\n".join("    " + line for line in lines)
 
 
-def report(copy: Path, scores: list[Score], seconds: float) -> str:
+def report(copy: Path, scores: list[Score], seconds: float, changed=()) -> str:
     width = max(len("exercise"), *(len(s.exercise.name) for s in scores))
     paper = max(len("section"), *(len(s.exercise.paper) for s in scores))
     out = [f"grading {copy}", "", f"{'exercise':<{width}}  score  {'section':<{paper}}  title"]
@@ -436,6 +502,9 @@ def report(copy: Path, scores: list[Score], seconds: float) -> str:
                    f"{s.exercise.title}")
     out.append(f"{'total':<{width}}  {sum(s.passed for s in scores):>2}/{sum(s.total for s in scores):<2}"
                f"  ({seconds:.0f} s)")
+    if changed:
+        out.append(f"note: changed outside the exercise functions (the grade does not depend on it; look at it "
+                   f"with diff against a fresh copy): {', '.join(changed)}")
     for s in scores:
         failure = s.first_failure()
         if failure:
@@ -447,8 +516,8 @@ def report(copy: Path, scores: list[Score], seconds: float) -> str:
     return "\n".join(out)
 
 
-def as_json(copy: Path, scores: list[Score]) -> str:
-    return json.dumps({"copy": str(copy), "exercises": {
+def as_json(copy: Path, scores: list[Score], changed=()) -> str:
+    return json.dumps({"copy": str(copy), "changed_elsewhere": list(changed), "exercises": {
         s.exercise.name: {"passed": s.passed, "total": s.total,
                           "tests": {t: o.status for t, o in s.results.items()},
                           "first_failure": s.first_failure()[0] if s.first_failure() else None}
@@ -586,7 +655,7 @@ def main(argv=None) -> int:
     try:
         if args.command == "list":
             for e in EXERCISES:
-                print(f"{e.name}: {e.title} (paper section {e.paper}, about {e.hours:g} h)\n"
+                print(f"{e.name}: {e.title} (paper section {e.paper}; an estimated {e.hours:g} h of work)\n"
                       f"  handout:   {e.handout.as_posix()}\n  functions: {', '.join(e.functions)}\n"
                       f"  graded by {len(e.tests)} tests in {', '.join(sorted({t.split('::')[0] for t in e.tests}))}")
         elif args.command == "blank":
@@ -602,9 +671,15 @@ def main(argv=None) -> int:
             start = time.monotonic()
             scores = grade(args.copy, args.exercise, args.timeout, args.verbose)
             copy = args.copy.expanduser().resolve()
-            print(report(copy, scores, time.monotonic() - start))
+            marker = read_marker(copy)
+            changed = changed_elsewhere(copy, marker["exercises"])
+            print(report(copy, scores, time.monotonic() - start, changed))
+            here = source_commit(ROOT)
+            if changed and marker["made_from"] and here and marker["made_from"] != here:
+                print(f"note: the copy was made from commit {marker['made_from'][:12]}, the grader is at "
+                      f"{here[:12]}: some of those differences may be the project's own")
             if args.json:
-                print(as_json(copy, scores))
+                print(as_json(copy, scores, changed))
     except ClassroomError as e:
         print(f"classroom.py: error: {e}", file=sys.stderr)
         return 2
