@@ -290,7 +290,8 @@ def outside_functions(source: str, qualnames: list[str]) -> str:
 
 def changed_elsewhere(copy: Path, handed_out: list[str], grader: Path = ROOT) -> list[str]:
     """The top-level .py files of a copy that differ from the grader's outside the handed-out exercises'
-    function bodies (added helper functions included). Only a note for the teacher: the grade is unaffected."""
+    function bodies (added helper functions included). The tests ran with them as they are; this only tells
+    the teacher where to look."""
     functions: dict[str, list[str]] = {}
     for ex in chosen(handed_out):
         for item in ex.functions:
@@ -503,8 +504,8 @@ def report(copy: Path, scores: list[Score], seconds: float, changed=()) -> str:
     out.append(f"{'total':<{width}}  {sum(s.passed for s in scores):>2}/{sum(s.total for s in scores):<2}"
                f"  ({seconds:.0f} s)")
     if changed:
-        out.append(f"note: changed outside the exercise functions (the grade does not depend on it; look at it "
-                   f"with diff against a fresh copy): {', '.join(changed)}")
+        out.append(f"note: changed outside the exercise functions, and tested as they are (diff -r against a "
+                   f"fresh blank copy shows how): {', '.join(changed)}")
     for s in scores:
         failure = s.first_failure()
         if failure:
@@ -567,8 +568,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collectreport(report):
+    """A test file that cannot be imported: the part of pytest's report from the test file's own frame on."""
     if REPORT_ENV in os.environ and report.failed:
-        _log({"kind": "collect", "nodeid": report.nodeid, "text": report.longreprtext})
+        lines = report.longreprtext.replace(os.getcwd() + os.sep, "").splitlines()
+        start = next((i for i, line in enumerate(lines) if line.startswith("tests" + os.sep)), 0)
+        _log({"kind": "collect", "nodeid": report.nodeid, "text": "\n".join(lines[start:])})
 
 
 def pytest_runtest_logstart(nodeid, location):
