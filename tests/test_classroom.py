@@ -315,7 +315,7 @@ OTHER_SOLUTIONS = {
         high, low = (a > 0) & (rho > 1 + clip_high), (a < 0) & (rho < 1 - clip_low)
         return loss, {"clip_frac": float((high | low).sum()) / c, "clip_frac_low": float(low.sum()) / c,
                       "clip_frac_high": float(high.sum()) / c, "ratio_mean": float(rho.sum()) / c if count else 1.0,
-                      "ratio_max": float(rho.max()) if count else 1.0,
+                      "ratio_min": float(rho.min()) if count else 1.0, "ratio_max": float(rho.max()) if count else 1.0,
                       "approx_kl": float((rho - 1 - torch.log(rho)).sum()) / c, "num_tokens": count}
 """,
 }
