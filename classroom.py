@@ -407,12 +407,12 @@ def one_pytest_run(tree: Path, files: list[str], tests: list[str], timeout_s: fl
     try:
         while True:
             finished = proc.poll() is not None
-            with open(log) as f:
+            with open(log, "rb") as f:
                 f.seek(offset)
                 chunk = f.read()
-            complete = chunk[:chunk.rfind("\n") + 1]
-            offset += len(complete.encode())
-            for line in complete.splitlines():
+            complete = chunk[:chunk.rfind(b"\n") + 1]   # a line still being written waits for the next look
+            offset += len(complete)
+            for line in complete.decode().splitlines():
                 event = json.loads(line)
                 last_event, events = time.monotonic(), events + 1
                 if event["kind"] == "start":
