@@ -1044,8 +1044,9 @@ def limit_pid_namespace(max_processes: int) -> int | None:
 
 def call_limits(config: dict, iso: dict) -> list[str]:
     """In words, what bounds one call here (reported by the pool; docs/sandbox.md explains each)."""
-    limits = [f"RLIMIT_AS {config['memory_mb']} MB per process", f"/tmp tmpfs {config['scratch_mb']} MB",
-              "oom_score_adj 1000"]
+    limits = [f"RLIMIT_AS {config['memory_mb']} MB per process", "oom_score_adj 1000"]
+    if iso["filesystem"]:
+        limits.append(f"/tmp tmpfs {config['scratch_mb']} MB")
     if iso.get("cgroup"):
         limits.append(f"cgroup v{iso['cgroup']}: memory and pids of the worker and its calls together")
     nproc = process_limit(config, iso)
