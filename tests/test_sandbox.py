@@ -619,3 +619,27 @@ def test_session_keeps_state_and_rolls_back_failed_calls(pool):
     assert add_y.status == "ok" and both.stdout == "5 6 ada\n"  # x = 100 was rolled back
     assert other.status == "error" and "NameError" in other.stderr  # sessions are separate
     assert stateless.status == "error"  # and the plain tool stays stateless
+
+
+def test_worker_cgroup_v2_is_a_sibling_of_ours_with_memory_and_pids_limits(tmp_path, monkeypatch):
+    """The cgroup v2 path on a stand-in hierarchy (this test machine may only have v1 controllers): where the
+    directory goes, which controllers are switched on, which limits are written."""
+    parent = tmp_path / "user.slice" / "app.slice"
+    (parent / "term.scope").mkdir(parents=True)
+    (parent / "cgroup.subtree_control").write_text("memory\n")  # pids not yet enabled for the children
+    monkeypatch.setattr(sandbox, "own_cgroups", lambda: {"": "/user.slice/app.slice/term.scope"})
+    monkeypatch.setattr(sandbox, "cgroup_mounts", lambda: {"": (str(tmp_path), "/")})
+    paths, why = sandbox.make_worker_cgroup("rstar2-sandbox-test", 123 << 20, 66)
+    d = parent / "rstar2-sandbox-test"
+    assert why == "" and paths["version"] == 2 and paths["dirs"] == [str(d)]
+    assert (parent / "cgroup.subtree_control").read_text() == "+pids"
+    assert (d / "memory.max").read_text() == str(123 << 20) and (d / "pids.max").read_text() == "66"
+    assert paths["procs"] == [str(d / "cgroup.procs")] and paths["events"] == str(d / "memory.events")
+    # a hierarchy mounted from a sub-tree (a container's view): paths are taken relative to the mount's root
+    monkeypatch.setattr(sandbox, "cgroup_mounts", lambda: {"": (str(tmp_path / "user.slice"), "/user.slice")})
+    paths, why = sandbox.make_worker_cgroup("rstar2-sandbox-test-2", 1 << 30, 66)
+    assert paths["dirs"] == [str(parent / "rstar2-sandbox-test-2")], why
+    # nothing writable: no cgroup, and the reason
+    monkeypatch.setattr(sandbox, "cgroup_mounts", lambda: {"": (str(tmp_path / "absent"), "/")})
+    paths, why = sandbox.make_worker_cgroup("rstar2-sandbox-test-3", 1 << 30, 66)
+    assert paths is None and why.startswith("cgroup v2 at ")
