@@ -37,10 +37,10 @@ metrics.jsonl row.
 Every call is bounded in every mode (see call_limits()): its processes by a cgroup's pids.max where cgroups are
 writable, else by RLIMIT_NPROC where the kernel counts it for the sandbox alone (a uid of its own, or a user
 namespace), else by RLIMIT_NPROC set to what the user already runs plus max_processes; and by pid_max in its PID
-namespace (300 tasks, Linux 6.14+). Its memory by RLIMIT_AS per process and, where cgroups are writable, by the
-worker's cgroup memory limit, which counts all its processes together with its /tmp (a tmpfs) and memfds.
-Every call has oom_score_adj 1000 (its workers 500): when memory runs out anywhere, the kernel kills a call
-first, never the trainer. SandboxSession adds optional state.
+namespace (300 + max_processes + 3, Linux 6.14+). Its memory by RLIMIT_AS per process and, where cgroups are
+writable, by the worker's cgroup memory limit, which counts all its processes together with its /tmp (a tmpfs)
+and memfds. Every call has oom_score_adj 1000 (its workers 500): when memory runs out anywhere, the kernel kills
+a call first, before the trainer. docs/sandbox.md has the table and the measured bombs. SandboxSession adds optional state.
 
 Run `python sandbox.py` for a small demonstration.
 """
