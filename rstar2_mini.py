@@ -41,6 +41,8 @@ from distributed import (DIST, all_ranks_max, all_ranks_sum, clip_gradients, clo
 # ----------------------------------------------------------------------------------------------------------
 # Configuration: every hyperparameter in one dataclass, with its paper value; presets scale it to the machine.
 
+SANDBOX_ISOLATION_ENV = "RSTAR2_SANDBOX_ISOLATION"  # sandbox.ISOLATION_ENV (sandbox.py is imported lazily)
+
 
 @dataclass
 class Config:
@@ -67,6 +69,8 @@ class Config:
     temperature: float = 1.0          # rollout temperature (paper: 1.0 for training, 0.6 for evaluation)
     top_p: float = 1.0
     tool_timeout_s: float = 10.0
+    # sandbox.py isolation: auto (namespaces, or refuse to start) | none (accept rlimits only: warned, recorded)
+    sandbox_isolation: str = dataclasses.field(default_factory=lambda: os.environ.get(SANDBOX_ISOLATION_ENV, "auto"))
     engine_batch: int = 32            # CPU engine: rows in the running batch (continuous batching)
     engine: str = "auto"              # auto (vLLM on GPU when installed) | vllm | transformers
     chunk_tokens: int = 0             # KV reserved per request: at most this many new tokens (0: the whole budget)
@@ -166,7 +170,7 @@ def stage_dir(cfg: Config, stage: str) -> Path:
 
 def comparable(cfg_dict: dict) -> dict:
     """The config fields that define a run (resuming with other values would mix two runs)."""
-    ignore = {"steps", "resume", "out", "save_every", "samples_per_step"}
+    ignore = {"steps", "resume", "out", "save_every", "samples_per_step", "sandbox_isolation"}
     return {k: v for k, v in cfg_dict.items() if k not in ignore}
 
 
@@ -763,7 +767,8 @@ def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, sta
     row = {"step": step, "stage": stage, **stats, **update, "rollout_time_s": round(t_roll, 2),
            "step_time_s": round(dt, 2), "gen_tokens_per_s": round(gen_tokens / max(t_roll, 1e-9), 1),
            "train_tokens_per_s": round(update["train_tokens"] / max(dt - t_roll, 1e-9), 1),
-           "peak_mem_gb": round(peak_memory_gb(), 2), "cursor": cursor}
+           "peak_mem_gb": round(peak_memory_gb(), 2), "cursor": cursor,
+           "sandbox_isolation": rt.pool.mode if rt.pool is not None else None}
     if heldout is not None:
         row.update(heldout_accuracy(rt, cfg, heldout))
     metrics_path = run_dir / "metrics.jsonl"
@@ -777,7 +782,8 @@ def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, sta
         f"{stats['problems_drawn']} | tool calls/traj {stats['tool_calls_per_traj']:.2f} | "
         f"tool err {stats['tool_error_rate'] if stats['tool_error_rate'] is not None else float('nan'):.2f} | "
         f"len {stats['response_len']:.0f} | loss {update['loss'] if update['loss'] is not None else float('nan'):.4f}"
-        f" | {dt:.1f}s | {row['peak_mem_gb']:.1f} GB")
+        f" | {dt:.1f}s | {row['peak_mem_gb']:.1f} GB"
+        + (f" | WARNING sandbox isolation {row['sandbox_isolation']}" if row["sandbox_isolation"] == "none" else ""))
     if heldout is not None:
         log(f"[stage {stage}] held-out accuracy after step {step}: {row['heldout_acc']:.3f} "
             f"({cfg.eval_problems} problems x {cfg.eval_samples} samples)")
@@ -848,8 +854,10 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
         else:
             engines = [scheduler.TransformersEngine(models.load_model(model_path, device=device), tokenizer,
                                                     max_batch=cfg.engine_batch, device=device)]
-        pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s)
-        loop.run_until_complete(pool.start())
+        pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s, isolation=cfg.sandbox_isolation)
+        loop.run_until_complete(pool.start())  # refuses to start without namespaces unless isolation is "none"
+        if pool.isolation["missing"]:
+            log(f"WARNING: sandbox isolation {pool.mode}: missing {'; '.join(pool.isolation['missing'])}")
     accelerator = None
     if device == "cuda" and DIST.world == 1:  # (FSDP's mixed-precision policy does this under torchrun)
         from accelerate import Accelerator
@@ -981,6 +989,9 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--seed", type=int, default=0, help="seed for problems, sampling and RoC")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--data", help="JSONL/JSON problems file or a benchmark name (default: built-in generator)")
+    p.add_argument("--sandbox-isolation", choices=("auto", "none"),
+                   help="auto (default): isolate tool calls in namespaces or refuse to start; none: accept "
+                        "rlimits only (code can reach the network), warned in the log and recorded in the run")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any Config field, e.g. --set lr=2e-6 --set roc_mode=none (repeatable)")
     args = p.parse_args(argv)
@@ -1000,6 +1011,8 @@ def parse_args(argv=None) -> Config:
         explicit.add(key)
     for key in ("stage", "preset", "model", "out", "seed", "resume", "data"):
         values[key] = getattr(args, key)
+    if args.sandbox_isolation is not None:
+        values["sandbox_isolation"] = args.sandbox_isolation
     if args.steps is not None:
         if args.steps < 1:
             raise UsageError("--steps must be at least 1")
@@ -1007,6 +1020,8 @@ def parse_args(argv=None) -> Config:
         explicit.add("steps")
     cfg = Config(**values)
     cfg._explicit = explicit
+    if cfg.sandbox_isolation not in ("auto", "none", "userns"):
+        raise UsageError(f"sandbox isolation {cfg.sandbox_isolation!r}: choose auto or none")
     import tasks
 
     try:  # unknown generator levels or families: one clear line now, not a traceback inside step 1
@@ -1040,6 +1055,7 @@ def main(argv=None) -> int:
     try:
         cfg = parse_args(argv)
         init_distributed()  # under torchrun: join the other ranks (distributed.py)
+        os.environ[SANDBOX_ISOLATION_ENV] = cfg.sandbox_isolation  # every sandbox pool of the run (SFT's too)
         import model as models
 
         base = models.resolve_model(cfg.model)
@@ -1058,9 +1074,10 @@ def main(argv=None) -> int:
         return 2
     except Exception as e:  # the errors a person can act on, without a traceback
         import model as models
+        import sandbox
         import tasks
 
-        if isinstance(e, (models.ModelUnavailable, tasks.DataError)):
+        if isinstance(e, (models.ModelUnavailable, tasks.DataError, sandbox.SandboxUnavailable)):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise
