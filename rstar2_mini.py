@@ -39,6 +39,12 @@ from distributed import (DIST, all_ranks_sum, clip_gradients, close_distributed,
                          init_distributed, load_optimizer_state, my_micro_batches, rank_shares, shard_policy,
                          without_torchrun_env)
 
+# OpenMP threads that wait for each other sleep instead of spinning. Beside any other busy process (sandbox workers,
+# another program) spinning made CPU steps several times slower than their share of the cores (docs/contention.md,
+# bench/bench_contention.py). libgomp reads this when torch loads it: nothing above imports torch. An explicit
+# OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # ----------------------------------------------------------------------------------------------------------
 # Configuration: every hyperparameter in one dataclass, with its paper value; presets scale it to the machine.
 

@@ -62,6 +62,12 @@ from distributed import (DIST, all_ranks_sum, clip_gradients, from_rank0, full_s
 from scheduler import (IM_END, IM_START, TOOL_NAME, Segment, Trajectory, encode, render_prompt,
                        tool_response_text)
 
+# OpenMP threads that wait for each other sleep instead of spinning. Beside any other busy process (sandbox workers,
+# another program) spinning made CPU steps several times slower than their share of the cores (docs/contention.md,
+# bench/bench_contention.py). libgomp reads this when torch loads it: nothing above imports torch. An explicit
+# OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # ----------------------------------------------------------------------------------------------------------
 # Configuration: every hyperparameter, with the paper's value where the paper gives one
 

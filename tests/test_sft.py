@@ -5,6 +5,7 @@ import dataclasses
 import json
 import re
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -390,3 +391,22 @@ def test_ctrl_c_in_the_recipes_sft_then_a_plain_rerun_continues_it(tmp_path, tin
     metrics = json.loads((tmp_path / "run" / "sft" / "metrics.json").read_text())
     assert metrics["steps"] == len(metrics["losses"]) == 6 and metrics["resumed_at_step"] == 4
     models.load_model(tmp_path / "run" / "sft" / "model")
+
+
+@pytest.mark.parametrize("entry", ["rstar2_mini", "sft"])
+def test_openmp_threads_wait_passively_in_the_entry_points(entry):
+    """Importing an entry point sets OMP_WAIT_POLICY=PASSIVE before anything loads torch (whose OpenMP runtime
+    reads it once, when it loads), and keeps a value the person set."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"import os, sys; import {entry}; assert 'torch' not in sys.modules; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    root = str(Path(__file__).resolve().parent.parent)
+    run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, cwd=root, capture_output=True,  # noqa: E731
+                                   text=True, timeout=120)
+    done = run(env)
+    assert done.returncode == 0 and done.stdout.strip() == "PASSIVE", done.stderr[-2000:]
+    done = run({**env, "OMP_WAIT_POLICY": "ACTIVE"})
+    assert done.returncode == 0 and done.stdout.strip() == "ACTIVE", done.stderr[-2000:]
