@@ -20,11 +20,13 @@ Each child times, on the bundled SmolLM2-135M (or --model tiny):
   train   forward + backward of a fixed batch (--batch x --tokens random token ids, cross-entropy on every token)
   decode  --decode-steps single-token steps of a batch of --decode-rows rows with a KV cache after a short prefill
 
-    python bench/bench_contention.py                       # 3 rounds of 3 variants x 2 conditions (~8 min, 2 cores)
-    python bench/bench_contention.py --rounds 5 --model tiny
+    python bench/bench_contention.py              # 2 rounds of 3 variants x 2 conditions (docs/contention.md)
+    python bench/bench_contention.py --rounds 4 --model tiny
 
-The last line printed is one JSON object: per variant and condition the median seconds of a train step and of a
-decode step (median over rounds of each child's median), the slowdown busy / alone of each variant, and each
+On a shared 2-core machine the default command took 50 minutes, most of it in the default variant's children.
+
+The last line printed is one JSON object: per variant and condition the seconds of a train step and of a decode
+step (the median over rounds of each child's median), the slowdown busy / alone of each variant, and each
 variant's time relative to the default variant in the same condition.
 """
 from __future__ import annotations
@@ -122,13 +124,13 @@ def run_variant(name: str, busy: bool, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every variant alone and busy once")
+    p.add_argument("--rounds", type=int, default=2, help="rounds; each runs every variant alone and busy once")
     p.add_argument("--model", choices=["smollm2-135m", "tiny"], default="smollm2-135m")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--reps", type=int, default=4, help="timed train steps per child (after one warm-up)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--reps", type=int, default=2, help="timed train steps per child (after one warm-up)")
     p.add_argument("--decode-rows", type=int, default=8)
-    p.add_argument("--decode-steps", type=int, default=24)
+    p.add_argument("--decode-steps", type=int, default=12)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()

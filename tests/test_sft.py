@@ -375,11 +375,11 @@ def test_resuming_with_other_settings_is_refused(tokenizer, tmp_path, monkeypatc
 
 def test_ctrl_c_in_the_recipes_sft_then_a_plain_rerun_continues_it(tmp_path, tiny_model_dir, monkeypatch, capsys):
     """`rstar2_mini.py --stage sft` interrupted in its 6th step exits 130 and names the command that continues
-    it; the same command run again continues the SFT from its checkpoint (step 4) instead of step 0."""
+    it; the same command run again continues the SFT from its checkpoint (step 5) instead of step 0."""
     import rstar2_mini as R
 
     args = ["--stage", "sft", "--model", str(tiny_model_dir), "--out", str(tmp_path / "run"),
-            "--set", "sft_examples=12", "--set", "sft_batch=2"]   # 6 steps; a checkpoint after step 4
+            "--set", "sft_examples=12", "--set", "sft_batch=2"]   # 6 steps: a checkpoint after each of 1-5
     restore = interrupt_step(monkeypatch, 6)
     assert R.main(args) == 130
     restore()
@@ -387,9 +387,9 @@ def test_ctrl_c_in_the_recipes_sft_then_a_plain_rerun_continues_it(tmp_path, tin
     assert "--resume" in err and "--stage sft" in err and str(tmp_path / "run") in err, err
     assert R.main(args) == 0
     out = capsys.readouterr().out
-    assert "continuing from step 4 of 6" in out, out
+    assert "continuing from step 5 of 6" in out, out
     metrics = json.loads((tmp_path / "run" / "sft" / "metrics.json").read_text())
-    assert metrics["steps"] == len(metrics["losses"]) == 6 and metrics["resumed_at_step"] == 4
+    assert metrics["steps"] == len(metrics["losses"]) == 6 and metrics["resumed_at_step"] == 5
     models.load_model(tmp_path / "run" / "sft" / "model")
 
 
