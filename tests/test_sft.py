@@ -385,6 +385,8 @@ def test_ctrl_c_in_the_recipes_sft_then_a_plain_rerun_continues_it(tmp_path, tin
     restore()
     err = capsys.readouterr().err
     assert "--resume" in err and "--stage sft" in err and str(tmp_path / "run") in err, err
+    assert R.main(args + ["--set", "sft_lr=1e-3"]) == 2                   # other settings: refused, nothing lost
+    assert "(sft_lr: 0.0002 -> 0.001)" in capsys.readouterr().err
     assert R.main(args) == 0
     out = capsys.readouterr().out
     assert "continuing from step 5 of 6" in out, out
