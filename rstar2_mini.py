@@ -29,16 +29,23 @@ import json
 import os
 import random
 import resource
-import shutil
+import shlex
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkpoints import latest_checkpoint, rng_state, save_checkpoint, set_rng_state  # atomic, resumable
 from distributed import (DIST, close_distributed, from_rank0, full_state, init_distributed, load_optimizer_state,
                          shard_policy, without_torchrun_env)
 # the update of one step (rl_update.py); its log-prob helpers are named here too, for tests and checks
 from rl_update import engine_trainer_mismatch, policy_update, shared_prefix_length, token_logprobs  # noqa: F401
+
+# OpenMP threads that wait for each other sleep instead of spinning. Beside any other busy process (sandbox workers,
+# another program) spinning made CPU steps several times slower than their share of the cores (docs/contention.md,
+# bench/bench_contention.py). libgomp reads this when torch loads it: nothing above imports torch. An explicit
+# OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # ----------------------------------------------------------------------------------------------------------
 # Configuration: every hyperparameter in one dataclass, with its paper value; presets scale it to the machine.
@@ -232,63 +239,6 @@ def load_problem_source(cfg: Config):
         return problems[order[j]]
 
     return problem_at
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Checkpoints: model, optimizer, lr schedule, RNG states, data cursor and stage; written atomically.
-#
-# checkpoints/step_000010/ is written completely under a temporary name and renamed; then the pointer file
-# checkpoints/latest is replaced atomically. A kill at any moment leaves `latest` naming a complete checkpoint.
-
-
-def rng_state() -> dict:
-    import numpy as np
-    import torch
-
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: dict) -> None:
-    import numpy as np
-    import torch
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-
-
-def save_checkpoint(run_dir: Path, model, tokenizer, trainer_state: dict, keep: int = 2, weights=None) -> Path:
-    """weights: the full state dict when the model itself is sharded (FSDP), else None (the model's own)."""
-    import torch
-
-    ckpts = run_dir / "checkpoints"
-    ckpts.mkdir(exist_ok=True)
-    name = f"step_{trainer_state['step']:06d}"
-    tmp = ckpts / f".{name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    model.save_pretrained(tmp, state_dict=weights)
-    tokenizer.save_pretrained(tmp)
-    torch.save(trainer_state, tmp / "trainer_state.pt")
-    final = ckpts / name
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    pointer = ckpts / "latest.tmp"
-    pointer.write_text(name)
-    os.replace(pointer, ckpts / "latest")
-    for old in sorted(p for p in ckpts.glob("step_*") if p.name != name)[:-(keep - 1) or None]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.exists():
-        return None
-    path = run_dir / "checkpoints" / pointer.read_text().strip()
-    return path if (path / "trainer_state.pt").exists() else None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -709,7 +659,10 @@ def close_runtime(rt: Runtime) -> None:
 
 def run_sft_stage(cfg: Config, base_model: Path) -> Path:
     """Non-reasoning SFT (paper 4.1) into out/sft; returns the checkpoint directory. Under torchrun every rank
-    takes part (sft.py shards the model like the RL update); rank 0 writes the files."""
+    takes part (sft.py shards the model like the RL update); rank 0 writes the files.
+
+    An SFT killed on the way (Ctrl-C) left checkpoints in out/sft/checkpoints: the same command, with or without
+    --resume, continues it from the latest one, to the weights an uninterrupted SFT would have reached."""
     import torch
 
     import model as models
@@ -720,21 +673,39 @@ def run_sft_stage(cfg: Config, base_model: Path) -> Path:
     if (ckpt / "config.json").exists():
         log(f"[sft] using the SFT checkpoint {ckpt}")
         return ckpt
-    if DIST.rank == 0:
-        d.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(d / "config.json", dataclasses.asdict(cfg) | {"stage": "sft"})
-    log(f"[sft] no SFT checkpoint in {d}: running the non-reasoning SFT first ({cfg.sft_examples} examples, "
-        f"{cfg.sft_epochs} epoch(s))")
+    interrupted = latest_checkpoint(d) is not None
+    on_rank0(check_sft_settings, cfg, d, interrupted)
+    if interrupted:
+        log(f"[sft] {d} holds an interrupted SFT: continuing it")
+    else:
+        log(f"[sft] no SFT checkpoint in {d}: running the non-reasoning SFT first ({cfg.sft_examples} examples, "
+            f"{cfg.sft_epochs} epoch(s))")
     tokenizer = models.load_tokenizer(base_model)
     policy = models.load_model(base_model, dtype=torch.float32,  # fp32 master weights, as in RL
                                device="cuda" if torch.cuda.is_available() else "cpu")
     scfg = sft.SFTConfig(n_examples=cfg.sft_examples, epochs=cfg.sft_epochs, lr=cfg.sft_lr,
                          batch_size=cfg.sft_batch, seed=cfg.seed)
-
-    metrics = sft.run_sft(policy, tokenizer, scfg, ckpt, log=log)  # starts its own sandbox pool (rank 0)
+    try:  # starts its own sandbox pool (rank 0); an interrupted SFT's weights replace the base model's
+        metrics = sft.run_sft(policy, tokenizer, scfg, ckpt, log=log, run_dir=d)
+    except sft.ResumeMismatch as e:
+        raise UsageError(str(e)) from None
     if DIST.rank == 0:
         write_json_atomic(d / "metrics.json", metrics)
     return ckpt
+
+
+def check_sft_settings(cfg: Config, d: Path, interrupted: bool) -> None:
+    """Write out/sft/config.json; an interrupted SFT is continued only with the settings it was started with."""
+    mine = dataclasses.asdict(cfg) | {"stage": "sft"}
+    if interrupted and (d / "config.json").exists():
+        theirs = json.loads((d / "config.json").read_text())
+        keys = ("model", "seed", "sft_examples", "sft_epochs", "sft_lr", "sft_batch")  # what makes the SFT
+        diff = ", ".join(f"{k}: {theirs.get(k)!r} -> {mine[k]!r}" for k in keys if theirs.get(k) != mine[k])
+        if diff:
+            raise UsageError(f"{d} holds an interrupted SFT with other settings ({diff}): run with those to "
+                             f"continue it, or pass --out NEW_DIR")
+    d.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(d / "config.json", mine)
 
 
 def previous_checkpoint(cfg: Config, stage: str) -> Path | None:
@@ -911,8 +882,10 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise
-    except KeyboardInterrupt:
-        print("interrupted: the latest checkpoint is intact; continue with --resume", file=sys.stderr)
+    except KeyboardInterrupt:  # checkpoints are written atomically: the latest one is whole
+        args = list(sys.argv[1:] if argv is None else argv)
+        again = shlex.join(["python", "rstar2_mini.py", *args, *([] if "--resume" in args else ["--resume"])])
+        print(f"interrupted: the latest checkpoint is intact; continue with:\n  {again}", file=sys.stderr)
         return 130
 
 

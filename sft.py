@@ -17,6 +17,8 @@ examples) and how to chat (27K). Reasoning is left for RL to discover. This modu
     + optionally a JSONL file of chat examples ({"messages": [...]}) for GPU runs on real function-calling sets
       -> length-bucketed batches -> cross-entropy on loss-mask-1 tokens only -> AdamW, warm-up + cosine
       -> early stop on a held-out SFT loss -> save_pretrained (atomically) for `--stage 1`
+    a checkpoint every save_every steps (checkpoints.py; the data is kept beside it): a killed SFT, run again
+    with the same settings, continues where it was, to the same weights as an uninterrupted run
 
 Why the data is varied (DESIGN.md, "Machines"): a probe SFT on one fixed template trained to a loss of 0.001 left
 the model nearly deterministic, so GRPO groups were all-right or all-wrong and RL stalled. Here the reasoning
@@ -48,16 +50,23 @@ import os
 import random
 import re
 import shutil
-import tempfile
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import date, timedelta
 from pathlib import Path
 
-from distributed import (DIST, all_ranks_sum, clip_gradients, from_rank0, full_state, my_micro_batches,
-                         rank_shares, shard_policy)
+from checkpoints import latest_checkpoint, load_weights, rng_state, save_checkpoint, save_model, set_rng_state
+from distributed import (DIST, all_ranks_sum, clip_gradients, from_rank0, full_state, load_optimizer_state,
+                         my_micro_batches, rank_shares, shard_policy)
 from scheduler import (IM_END, IM_START, TOOL_NAME, Segment, Trajectory, encode, encode_tool_response,
                        render_prompt, tool_response_text)
+
+# OpenMP threads that wait for each other sleep instead of spinning. Beside any other busy process (sandbox workers,
+# another program) spinning made CPU steps several times slower than their share of the cores (docs/contention.md,
+# bench/bench_contention.py). libgomp reads this when torch loads it: nothing above imports torch. An explicit
+# OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # ----------------------------------------------------------------------------------------------------------
 # Configuration: every hyperparameter, with the paper's value where the paper gives one
@@ -95,6 +104,9 @@ class SFTConfig:
     share_prefix: bool = True        # run the common system prompt once per batch (exact, much faster)
     bf16: bool | None = None         # bf16 autocast over fp32 master weights; None: on a GPU and on CPUs with
                                      # bf16 matrix units (AVX512-BF16 / AMX: 1.7-1.9x faster steps, README)
+    save_every: int = 0              # optimizer steps between checkpoints a killed run continues from (run_dir);
+                                     # 0: an eighth of the planned steps (at most 8 saves a run: each writes the
+                                     # weights and the AdamW state, 1.5 GB for the 135M model)
     seed: int = 0
 
 
@@ -1042,28 +1054,76 @@ def heldout_loss(model, examples: list[Trajectory], cfg: SFTConfig, pad_id: int)
 # Training
 
 
-def save_checkpoint(model, tokenizer, out_dir: Path, metrics: dict | None = None, weights=None) -> None:
-    """save_pretrained + tokenizer into a temporary directory next to out_dir, then rename: a killed run never
-    leaves a half-written checkpoint under the final name. weights: the full state dict of a sharded model."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    model.save_pretrained(tmp, state_dict=weights)
-    tokenizer.save_pretrained(tmp)
-    if metrics is not None:
-        (tmp / "sft_metrics.json").write_text(json.dumps(metrics, indent=1))
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}-old-{os.getpid()}")
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out_dir)
+class ResumeMismatch(ValueError):
+    """The run directory holds an interrupted SFT with other settings: continuing it would mix two runs."""
 
 
-def run_sft(model, tokenizer, cfg: SFTConfig, out_dir: Path | None, pool=None, log=print) -> dict:
+def settings_diff(theirs: dict, mine: dict) -> str:
+    """The settings that differ between two SFTConfigs, as "name: old -> new" (save_every changes nothing)."""
+    return ", ".join(f"{k}: {theirs.get(k)!r} -> {v!r}" for k, v in sorted(mine.items())
+                     if k != "save_every" and json.dumps(theirs.get(k)) != json.dumps(v))
+
+
+def interrupted_sft(run_dir: Path | None, cfg: SFTConfig) -> tuple[Path | None, dict | None]:
+    """The latest checkpoint of an SFT killed in run_dir and its trainer state, or (None, None). Refuses one
+    written with other settings or by another number of processes (ResumeMismatch)."""
+    import torch
+
+    ckpt = latest_checkpoint(run_dir) if run_dir is not None else None
+    if ckpt is None:
+        return None, None
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    diff = settings_diff(state["config"], asdict(cfg))
+    if diff or state["world"] != DIST.world:
+        why = diff or f"{state['world']} process(es) -> {DIST.world}"
+        raise ResumeMismatch(f"{run_dir} holds an SFT interrupted at step {state['step']} with other settings "
+                             f"({why}): run it with those to continue it, or delete {run_dir / 'checkpoints'} "
+                             f"to start again")
+    return ckpt, state
+
+
+def sft_data(tokenizer, cfg: SFTConfig, pool, run_dir: Path | None, log) -> tuple[list, list, int]:
+    """(train, held-out, number dropped as too long): built on rank 0 (real sandbox runs) and shared with every
+    rank. Kept in run_dir/sft_data.pt until the SFT ends, so a continued run trains on exactly the same tokens
+    (a second build would differ: the tool responses report measured execution times)."""
+    import torch
+
+    lead, saved = DIST.rank == 0, None
+    path = run_dir / "sft_data.pt" if run_dir is not None else None
+    if lead and path is not None and path.exists():
+        saved = torch.load(path, weights_only=False)
+        if settings_diff(saved["config"], asdict(cfg)):
+            saved = None   # data of other settings (nothing trained on it yet): build anew
+        else:
+            log(f"[sft] the data built earlier: {path}")
+    if lead and saved is None:
+        def build(n, seed):
+            return build_sft_examples(tokenizer, n, seed, pool, cfg) if n > 0 else []
+        train = build(cfg.n_examples, cfg.seed)
+        if cfg.data_jsonl:
+            train += load_chat_jsonl(cfg.data_jsonl, tokenizer)
+        heldout = build(cfg.heldout_examples, cfg.seed + 1_000_003)
+        saved = {"config": asdict(cfg), "too_long": sum(len(t.input_ids) > cfg.max_tokens for t in train),
+                 "train": [t for t in train if len(t.input_ids) <= cfg.max_tokens],
+                 "heldout": [t for t in heldout if len(t.input_ids) <= cfg.max_tokens]}
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(saved, path.with_name(path.name + ".tmp"))
+            os.replace(path.with_name(path.name + ".tmp"), path)
+    train, heldout, too_long = from_rank0((saved["train"], saved["heldout"], saved["too_long"]) if lead else None)
+    return train, heldout, too_long
+
+
+def run_sft(model, tokenizer, cfg: SFTConfig, out_dir: Path | None, pool=None, log=print,
+            run_dir: Path | None = None) -> dict:
     """Non-reasoning SFT in place on `model`; saves model + tokenizer to out_dir (None: no save). Returns metrics
-    (JSON-serializable): loss curve, held-out losses, example and token counts, steps, time."""
+    (JSON-serializable): loss curve, held-out losses, example and token counts, steps, time.
+
+    run_dir (None: nothing is kept on the way): every save_every optimizer steps a checkpoint goes to
+    run_dir/checkpoints (checkpoints.py: weights, AdamW state, step, loss history, RNG state), next to the data
+    (sft_data.pt). When run_dir holds one, the SFT continues from it: its weights replace the model's, and the
+    steps, learning rates and batches are those the interrupted run would have taken. Both are deleted once the
+    model is saved to out_dir."""
     import torch
     from tqdm import tqdm
 
@@ -1076,48 +1136,53 @@ def run_sft(model, tokenizer, cfg: SFTConfig, out_dir: Path | None, pool=None, l
     lead = DIST.rank == 0  # under torchrun (distributed.py): rank 0 builds the data, logs and saves
     if not lead:
         log = lambda *_: None  # noqa: E731
+    ckpt, start = interrupted_sft(run_dir, cfg)  # every rank reads it: each takes its shard of the AdamW state
+    if ckpt is not None:
+        load_weights(model, ckpt)
     if DIST.world > 1:
         model = shard_policy(model, bf16=next(model.parameters()).is_cuda)
 
     # ---- data: generated chores (real sandbox outputs) + direct answers, optional JSONL chats, held-out set
-    def build(n, seed):
-        return build_sft_examples(tokenizer, n, seed, pool, cfg) if n > 0 and lead else []
-    train = build(cfg.n_examples, cfg.seed)
-    if cfg.data_jsonl and lead:
-        train += load_chat_jsonl(cfg.data_jsonl, tokenizer)
-    heldout = build(cfg.heldout_examples, cfg.seed + 1_000_003)
-    train, heldout = from_rank0((train, heldout))  # every rank trains on the same examples (tool timings vary)
-    too_long = sum(len(t.input_ids) > cfg.max_tokens for t in train)
-    train = [t for t in train if len(t.input_ids) <= cfg.max_tokens]
-    heldout = [t for t in heldout if len(t.input_ids) <= cfg.max_tokens]
+    train, heldout, too_long = sft_data(tokenizer, cfg, pool, run_dir, log)
     if not train:
         raise ValueError("no SFT examples to train on (n_examples=0 and no data_jsonl, or all over max_tokens)")
     model_tokens = sum(t.num_model_tokens for t in train)
     log(f"[sft] {len(train)} examples ({too_long} over {cfg.max_tokens} tokens dropped), "
         f"{sum(len(t.input_ids) for t in train)} tokens of which {model_tokens} trained on; "
-        f"{len(heldout)} held-out; data built in {time.time() - t0:.0f}s")
+        f"{len(heldout)} held-out; data ready in {time.time() - t0:.0f}s")
 
     # ---- optimization: AdamW, warm-up + cosine, clip 1.0, early stop on the held-out loss
     batches = [b for _ in range(cfg.epochs) for b in length_batches(train, cfg.batch_size, rng)]
     if cfg.max_steps is not None:
         batches = batches[:cfg.max_steps]
+    save_every = cfg.save_every or max(1, math.ceil(len(batches) / 8))
     opt = models.adamw(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     model.train()
-    losses, evals = [], []
+    first, losses, evals, earlier_s = 0, [], [], 0.0
     best, bad_evals, stopped_early = float("inf"), 0, False
-    if heldout:
+    if start is not None:  # the interrupted run's counters and randomness; lr_at(step) is the schedule's state
+        if start["planned_steps"] != len(batches):
+            raise ResumeMismatch(f"{ckpt} planned {start['planned_steps']} steps and this data gives "
+                                 f"{len(batches)}: delete {run_dir / 'checkpoints'} to start again")
+        load_optimizer_state(model, opt, start["optimizer"])
+        first, losses, evals = start["step"], start["losses"], start["heldout_losses"]
+        best, bad_evals, earlier_s = start["best"], start["bad_evals"], start["time_s"]
+        set_rng_state(start["rng"])
+        log(f"[sft] continuing from step {first} of {len(batches)} ({ckpt})")
+    elif heldout:
         evals.append((0, heldout_loss(model, heldout, cfg, pad_id)))
         best = evals[-1][1]
-    bar = tqdm(batches, desc="sft", unit="step", dynamic_ncols=True, disable=not lead)
-    for step, examples in enumerate(bar):
+    bar = tqdm(total=len(batches), initial=first, desc="sft", unit="step", dynamic_ncols=True, disable=not lead)
+    for step in range(first, len(batches)):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, len(batches), cfg)
         opt.zero_grad(set_to_none=True)
-        loss = accumulate_gradients(model, examples, cfg, pad_id)
+        loss = accumulate_gradients(model, batches[step], cfg, pad_id)
         grad_norm = clip_gradients(model, cfg.grad_clip)
         opt.step()
         models.release_freed_memory()  # the step's logits and activations, before they fragment the heap
         losses.append(loss)
+        bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", gnorm=f"{grad_norm:.2f}", lr=f"{group['lr']:.1e}")
         if heldout and ((step + 1) % cfg.eval_every == 0 or step + 1 == len(batches)):
             evals.append((step + 1, heldout_loss(model, heldout, cfg, pad_id)))
@@ -1130,6 +1195,15 @@ def run_sft(model, tokenizer, cfg: SFTConfig, out_dir: Path | None, pool=None, l
                     stopped_early = True
                     log(f"[sft] early stop: held-out loss has not improved for {cfg.patience} evaluations")
                     break
+        if run_dir is not None and (step + 1) % save_every == 0 and step + 1 < len(batches):
+            weights, opt_state = full_state(model, opt)  # FSDP: gathered on rank 0 (a collective)
+            if lead:
+                state = {"step": step + 1, "stage": "sft", "planned_steps": len(batches), "optimizer": opt_state,
+                         "losses": losses, "heldout_losses": evals, "best": best, "bad_evals": bad_evals,
+                         "rng": rng_state(), "time_s": earlier_s + time.time() - t0, "world": DIST.world,
+                         "config": asdict(cfg)}
+                save_checkpoint(run_dir, model, tokenizer, state, weights=weights)
+            del weights, opt_state
     bar.close()
     model.eval()
 
@@ -1137,12 +1211,16 @@ def run_sft(model, tokenizer, cfg: SFTConfig, out_dir: Path | None, pool=None, l
                "tokens": sum(len(t.input_ids) for t in train), "model_tokens": model_tokens,
                "steps": len(losses), "planned_steps": len(batches), "stopped_early": stopped_early,
                "losses": losses, "heldout_losses": evals, "final_loss": losses[-1] if losses else None,
-               "final_heldout_loss": evals[-1][1] if evals else None, "time_s": round(time.time() - t0, 1),
+               "final_heldout_loss": evals[-1][1] if evals else None,
+               "time_s": round(earlier_s + time.time() - t0, 1), "resumed_at_step": first if start else None,
                "config": asdict(cfg)}
     if out_dir is not None:
         weights, _ = full_state(model)  # FSDP: the full weights, gathered on rank 0
         if lead:
-            save_checkpoint(model, tokenizer, Path(out_dir), metrics, weights)
+            save_model(Path(out_dir), model, tokenizer, weights, json_files={"sft_metrics.json": metrics})
+            if run_dir is not None:  # the model is saved: what a continued run would need is not
+                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+                (run_dir / "sft_data.pt").unlink(missing_ok=True)
         metrics["out_dir"] = str(out_dir)
         log(f"[sft] saved to {out_dir} after {metrics['time_s']:.0f}s")
     return metrics
@@ -1157,7 +1235,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=models.DEFAULT_MODEL, help="bundled smollm2-135m or a HF model directory")
-    ap.add_argument("--out", default="runs/sft/model", help="where the SFT checkpoint is saved")
+    ap.add_argument("--out", default="runs/sft/model", help="where the SFT checkpoint is saved (a killed run's "
+                    "checkpoints go to its parent folder, and the same command continues from them)")
     ap.add_argument("--show", type=int, default=0, help="only print K generated examples and exit")
     for f in SFTConfig.__dataclass_fields__.values():
         if f.type in ("int", "float", "str | None", "int | None"):
@@ -1171,8 +1250,17 @@ def main() -> None:
         for t in build_sft_examples(tokenizer, args.show, cfg.seed, cfg=cfg):
             print(f"===== {t.problem_id} ({len(t.input_ids)} tokens)\n{t.response_text}\n")
         return
-    print(json.dumps({k: v for k, v in run_sft(models.load_model(path), tokenizer, cfg, Path(args.out)).items()
-                      if k not in ("losses", "config")}))
+    out = Path(args.out)  # checkpoints of a run in progress: next to it, in out/../checkpoints
+    try:
+        metrics = run_sft(models.load_model(path), tokenizer, cfg, out, run_dir=out.parent)
+    except ResumeMismatch as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"interrupted: the same command continues from the latest checkpoint in {out.parent / 'checkpoints'}",
+              file=sys.stderr)
+        sys.exit(130)
+    print(json.dumps({k: v for k, v in metrics.items() if k not in ("losses", "config")}))
 
 
 if __name__ == "__main__":
