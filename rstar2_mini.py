@@ -765,12 +765,10 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
     import scheduler
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    use_vllm = cfg.engine == "vllm" or (cfg.engine == "auto" and device == "cuda"
-                                        and importlib.util.find_spec("vllm") is not None)
-    if cfg.engine not in ("auto", "vllm", "transformers"):
-        raise UsageError(f"unknown engine {cfg.engine!r}: choose auto, vllm or transformers")
-    if use_vllm and device != "cuda":
-        raise UsageError("engine=vllm needs a CUDA or ROCm GPU; use engine=transformers on a CPU")
+    try:
+        use_vllm = scheduler.wants_vllm(cfg.engine, device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     tokenizer = models.load_tokenizer(model_path)
     policy = models.load_model(model_path, dtype=torch.float32, device=device)  # fp32 master weights
     if DIST.world > 1:
@@ -802,6 +800,11 @@ def unwrapped(rt: Runtime):
 
 
 def close_runtime(rt: Runtime) -> None:
+    """End of a stage: stop the vLLM engines (their processes hold the GPUs the next stage's engines need), the
+    sandbox pool and the event loop."""
+    import scheduler
+
+    scheduler.shutdown_engines(rt.engines)
     if rt.pool is not None:
         rt.loop.run_until_complete(rt.pool.close())
     rt.loop.close()
