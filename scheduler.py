@@ -1157,7 +1157,7 @@ def sync_weights(engines: list, weights) -> None:
 # these ranks as independent engines (each core is reconfigured to data_parallel_size 1: no dummy batches, no
 # per-step all-reduce; vllm/v1/engine/core.py), and `generate(..., data_parallel_rank=i)` lets our scheduler,
 # not vLLM's balancer, pick the GPU. VLLMEngine.launch() returns one handle per GPU sharing the AsyncLLM.
-#   * prompts are token ids (TokensPrompt): nothing is re-tokenized;
+#   * prompts are token ids (vllm.inputs.tokens_input: no renderer, nothing is re-tokenized);
 #   * a turn stops at "</tool_call>" (a stop string, kept in the output) or at an end-of-turn token: the
 #     tokenizer's eos and the model's generation_config eos ids (vLLM adds the latter itself). Both end with
 #     finish_reason "stop"; `stop_reason` tells them apart: the stop string itself (a str) for the tool call,
@@ -1167,10 +1167,10 @@ def sync_weights(engines: list, weights) -> None:
 #   * prefix caching is on: a continuation routed back to its engine re-uses the KV of its prefix;
 #   * weight sync (sync_weights(engines, model)): the trainer writes its state dict (in the engine's dtype) to a
 #     safetensors file, in /dev/shm when it has room, else in the system's temporary directory; every worker
-#     loads it tensor by tensor through VLLMWeightLoader (a worker extension, called with collective_rpc) with
-#     the model's own load_weights (which fuses qkv / gate_up itself); then the prefix cache of every engine is
-#     reset, and the reset is checked (0.32 returns whether every engine reset; it refuses while a request holds
-#     KV blocks). Nothing ever calls reload_weights (the TRL sleep-mode bug, trl#5312, reloaded disk weights over
+#     loads it tensor by tensor through VLLMWeightLoader (a worker extension, called with collective_rpc) and
+#     vLLM's in-place reload of the given tensors; then the prefix cache of every engine is reset, and the reset
+#     is checked (0.32 returns whether every engine reset; it refuses while a request holds KV blocks). Nothing
+#     ever reloads the checkpoint from disk (the TRL sleep-mode bug, trl#5312, reloaded disk weights over
 #     trained ones). At 14B a file round trip costs seconds; NCCL or CUDA-IPC transfer is the scalable path;
 #   * capacity: vLLM's KV blocks (num_gpu_blocks * block_size, summed over the data-parallel engines) / engines;
 #   * shutdown_engines(engines) stops the engine processes (and frees their GPUs) at the end of a stage.
@@ -1184,12 +1184,18 @@ class VLLMWeightLoader:
     worker, where `self.model_runner` is the worker's model runner."""
 
     def rstar2_load_weights(self, path: str) -> int:
-        """Load a safetensors file into the running model, one tensor at a time (no second full copy)."""
+        """Load a safetensors file of checkpoint-format tensors into the running model, one tensor at a time (no
+        second full copy), through vLLM's in-place reload (Worker.reload_weights with our tensors): it restores
+        each layer's checkpoint-format parameters, loads ours with the model's load_weights (which fuses qkv and
+        gate_up itself), then redoes the layer's post-load processing. A plain model.load_weights is not enough:
+        after loading, vLLM may repack a layer's weight for its kernels and drop the original (vLLM's CPU
+        linear layers do: "Attempted to load weight ... into parameter (torch.Size([0]))")."""
         from safetensors import safe_open
 
         with safe_open(path, framework="pt") as f:
             names = list(f.keys())
-            self.model_runner.model.load_weights(weights=((name, f.get_tensor(name)) for name in names))
+            self.reload_weights(weights_iterator=((name, f.get_tensor(name)) for name in names),
+                                is_checkpoint_format=True)
         return len(names)
 
 
@@ -1232,19 +1238,27 @@ class VLLMEngine:
     @staticmethod
     def launch(model_path: str, loop: asyncio.AbstractEventLoop, num_gpus: int | None = None,
                gpu_memory_utilization: float = 0.85, max_model_len: int = 16384, seed: int = 0,
-               dtype: str = "bfloat16", stat_loggers: list | None = None, **engine_kwargs) -> list["VLLMEngine"]:
+               dtype: str = "bfloat16", stat_loggers: list | None = None, devices: list[int] | None = None,
+               **engine_kwargs) -> list["VLLMEngine"]:
         """Start one vLLM engine per GPU (one engine on a CPU build of vLLM); returns their handles. `loop` is the
-        trainer's rollout event loop. The caller's script needs an `if __name__ == "__main__":` guard: the
-        engine cores are spawned processes that import the main module again."""
+        trainer's rollout event loop; `devices` the GPUs to use (default: all of them, or the first num_gpus),
+        see vllm_placement. The caller's script needs an `if __name__ == "__main__":` guard: the engine cores
+        are spawned processes that import the main module again."""
         import torch
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if devices is not None:
+            num_gpus = len(devices)
         num = num_gpus or (torch.cuda.device_count() if torch.cuda.is_available() else 1)
         here = os.path.dirname(os.path.abspath(__file__))  # the workers import scheduler.VLLMWeightLoader
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if devices is not None:  # the engine processes inherit this; data-parallel rank i takes the i-th GPU
+            physical = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical[i] for i in devices)
         args = AsyncEngineArgs(model=str(model_path), dtype=dtype, data_parallel_size=num, seed=seed,
                                enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization,
                                max_model_len=max_model_len, logprobs_mode="processed_logprobs",
@@ -1253,7 +1267,13 @@ class VLLMEngine:
         async def start():  # AsyncLLM starts its output handler on the loop it will run on
             return AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
 
-        llm = loop.run_until_complete(start())
+        try:
+            llm = loop.run_until_complete(start())
+        finally:
+            if devices is not None and visible is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            elif devices is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible
         cache = llm.vllm_config.cache_config
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         hf_config = llm.vllm_config.model_config.hf_config
@@ -1303,12 +1323,12 @@ class VLLMEngine:
                               skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
     async def _generate(self, req: GenRequest) -> GenResult:
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import tokens_input
 
         backend = self.backend
         backend["counter"][0] += 1
         final = None
-        async for final in backend["llm"].generate(TokensPrompt(prompt_token_ids=req.ids), self.sampling_params(req),
+        async for final in backend["llm"].generate(tokens_input(list(req.ids)), self.sampling_params(req),
                                                     request_id=f"rstar2-{backend['launch']}-{backend['counter'][0]}",
                                                     data_parallel_rank=self.rank):
             pass
@@ -1358,6 +1378,26 @@ def vllm_finish(finish_reason: str | None, stop_reason) -> str:
     if finish_reason == "length":
         return "length"
     raise RuntimeError(f"vLLM ended a request with finish_reason {finish_reason!r} (stop_reason {stop_reason!r})")
+
+
+def vllm_placement(num_gpus: int, world: int, policy_params: int, gpu_bytes: int) -> tuple[list[int], float]:
+    """Which GPUs the vLLM engines take and the fraction of each (vLLM's gpu_memory_utilization, a per-instance
+    budget that must be free when it starts). The trainer holds 16 bytes per parameter: fp32 weights, fp32
+    gradients, AdamW's two moments (docs/vllm.md has the plan):
+      * one process, several GPUs: the trainer keeps GPU 0 to itself, one engine on each other GPU at 0.85;
+      * one process, one GPU: the engine takes what the trainer leaves, less 15% for activations;
+      * torchrun (world > 1): every GPU holds a 1/world shard of the trainer (FSDP), an engine on every GPU
+        takes the rest, less 15% for activations and the gathered layers, at most 0.85."""
+    trainer = 16 * policy_params
+    if world == 1 and num_gpus > 1:
+        return list(range(1, num_gpus)), 0.85
+    share = trainer / (world if world > 1 else 1) / gpu_bytes
+    fraction = min(0.85, round(1.0 - share - 0.15, 2))
+    if fraction < 0.1:
+        raise ValueError(f"the trainer's fp32 weights, gradients and AdamW state ({trainer / 2 ** 30:.1f} GiB, "
+                         f"{share:.0%} of each GPU) leave too little for vLLM: use more GPUs (torchrun "
+                         f"--nproc-per-node N shards the trainer) or engine=transformers")
+    return list(range(num_gpus)), fraction
 
 
 def wants_vllm(engine: str, device: str) -> bool:

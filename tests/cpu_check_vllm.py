@@ -188,11 +188,11 @@ def check_all(seconds_budget: float | None = None) -> dict:
 
     def cached_tokens(engine, req) -> int:
         """How many prompt tokens vLLM found in its prefix cache for this request (same sampling parameters)."""
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import tokens_input
 
         async def go():
             final = None
-            async for final in engine.backend["llm"].generate(TokensPrompt(prompt_token_ids=req.ids),
+            async for final in engine.backend["llm"].generate(tokens_input(list(req.ids)),
                                                               engine.sampling_params(req),
                                                               request_id=f"cache-probe-{time.monotonic_ns()}"):
                 pass

@@ -62,12 +62,12 @@ class FakeLLM:
 
     def __init__(self, reset=True, unfinished=0):
         self.loaded, self.reset, self.unfinished, self.shutdowns = [], reset, unfinished, 0
-        runner = SimpleNamespace(model=SimpleNamespace(load_weights=self._load))
         self.worker = S.VLLMWeightLoader()
-        self.worker.model_runner = runner
+        self.worker.reload_weights = self._reload  # vLLM's Worker.reload_weights
 
-    def _load(self, weights):
-        self.loaded = [(name, t.dtype, t.clone()) for name, t in weights]  # consumes the generator
+    def _reload(self, weights_iterator, is_checkpoint_format):
+        assert is_checkpoint_format  # our tensors are in the checkpoint's format (names and shapes)
+        self.loaded = [(name, t.dtype, t.clone()) for name, t in weights_iterator]  # consumes the generator
 
     async def collective_rpc(self, method, args=()):
         return [getattr(self.worker, method)(*args)]
@@ -121,3 +121,18 @@ def test_stage_end_shuts_the_engines_down(monkeypatch):
     assert llm.shutdowns == 1 and loop.is_closed()   # once per launch, whatever the number of handles
     S.shutdown_engines(engines)
     assert llm.shutdowns == 1
+
+
+def test_vllm_placement_leaves_the_trainer_its_memory():
+    GiB = 2 ** 30
+    # one process, 8 GPUs: GPU 0 is the trainer's alone
+    assert S.vllm_placement(8, 1, 1_500_000_000, 80 * GiB) == (list(range(1, 8)), 0.85)
+    # one process, one 80 GiB GPU, 1.5B parameters: 16 bytes each = 22.4 GiB (28%), minus 15% -> 0.57
+    devices, fraction = S.vllm_placement(1, 1, 1_500_000_000, 80 * GiB)
+    assert devices == [0] and fraction == round(1 - 16 * 1.5e9 / (80 * GiB) - 0.15, 2)
+    assert fraction * 80 * GiB + 16 * 1.5e9 <= 0.85 * 80 * GiB + 1e-6 * GiB   # 15% left for activations
+    # 14B on one GPU cannot work; under torchrun on 8 GPUs each holds 1/8 of the trainer
+    with pytest.raises(ValueError, match="torchrun"):
+        S.vllm_placement(1, 1, 14_000_000_000, 80 * GiB)
+    devices, fraction = S.vllm_placement(8, 8, 14_000_000_000, 140 * GiB)
+    assert devices == list(range(8)) and fraction == round(1 - 16 * 14e9 / 8 / (140 * GiB) - 0.15, 2)
