@@ -155,6 +155,8 @@ def check_all(seconds_budget: float | None = None) -> dict:
 
     def check(name, ok, detail=None):
         report[name] = bool(ok) if detail is None else detail
+        print(f"[vllm cpu check] {'ok  ' if ok else 'FAIL'} {name}" + ("" if detail is None else f": {detail}"),
+              file=sys.stderr, flush=True)
         if not ok:
             failures.append(f"{name}: {detail}")
 
