@@ -128,13 +128,22 @@ def my_micro_batches(per_rank: list[list[int]], lengths: list[int], max_tokens: 
 
 
 def all_ranks_sum(values: list[float]) -> list[float]:
+    return all_ranks_reduce(values, "sum")
+
+
+def all_ranks_max(values: list[float]) -> list[float]:
+    return all_ranks_reduce(values, "max")
+
+
+def all_ranks_reduce(values: list[float], op: str) -> list[float]:
+    """Element-wise sum or max of every rank's values (in a single process: the values)."""
     if DIST.world == 1:
         return values
     import torch
     import torch.distributed as dist
 
     t = torch.tensor(values, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return t.tolist()
 
 

@@ -8,14 +8,16 @@ How it departs from vanilla GRPO (DeepSeekMath):
      of failure); positives (reward 1) fill the remaining slots, sampled without replacement with probability
      inversely proportional to their penalty p_total = p_err + p_format (tool-call errors, repeated answers),
      so the positives it learns from are the clean ones.
-  2. Advantages are normalized over the kept G only; groups whose rewards are all equal are dropped.
+  2. Advantages are normalized over the kept G only; groups whose rewards are all equal are dropped, before
+     RoC and again after it (a group whose kept G all agree carries no signal either).
   3. Token-level loss (as DAPO): the mean over every model token in the batch, not a mean of per-sequence means.
      Tool responses and chat scaffolding are masked out.
   4. Clip-higher (as DAPO): ratio clipped to [1 - 0.2, 1 + 0.28]. No KL term (no reference model), no entropy bonus.
 
 Data flow (one RL step, see DESIGN.md):
   per trajectory:  roc_penalty(tool calls, tool errors, <answer> tags, turns) -> p_total
-  per group:       drop_uninformative -> roc_downsample(rewards, p_total, keep=G) -> group_advantages(kept rewards)
+  per group:       drop_uninformative -> roc_downsample(rewards, p_total, keep=G) -> drop_uninformative(kept)
+                   -> group_advantages(kept rewards)
   per batch:       policy_loss(new log-probs, old log-probs, advantages, loss mask) -> backward
 
 Where the released code (volcengine/verl, recipe/rstar2_agent/src/down_sample/roc.py) differs from the paper,
@@ -44,7 +46,7 @@ def roc_penalty(tool_calls: int, tool_errors: int, answer_tags: int, turns: int)
 
     tool_calls:  tool calls the model made (every <tool_call>, including malformed ones that got an error text).
     tool_errors: calls whose result was not ok: error, timeout, memory, crash, bad JSON ... (DESIGN.md).
-    answer_tags: complete <answer> ... </answer> blocks in the model's text.
+    answer_tags: complete <answer> ... </answer> blocks in the model's text (scheduler.count_answer_blocks).
     turns:       assistant turns in the trajectory (the first one included).
     """
     for name, value in (("tool_calls", tool_calls), ("tool_errors", tool_errors),
@@ -176,8 +178,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     accumulation over micro-batches pass the masked-token count of the whole mini-batch to every call, so the
     summed gradients equal the paper's single token-level mean over the batch (a mean of micro-batch means
     would weigh the tokens of short micro-batches more).
-    return_stats: also return {"clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max",
-    "approx_kl", "num_tokens"}, computed over this call's masked tokens.
+    return_stats: also return {"clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min",
+    "ratio_max", "approx_kl", "num_tokens"}, computed over this call's masked tokens.
     """
     if logprobs.dim() != 2 or logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(f"policy_loss: logprobs {tuple(logprobs.shape)}, old_logprobs "
@@ -216,6 +218,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             "clip_frac_low": float(low.sum()) / denom,
             "clip_frac_high": float(high.sum()) / denom,
             "ratio_mean": float(torch.where(m, ratio, 0.0).sum()) / denom if count else 1.0,
+            "ratio_min": float(ratio[m].min()) if count else 1.0,
             "ratio_max": float(ratio[m].max()) if count else 1.0,
             # k3 estimator of KL(pi_old || pi_theta): mean of (rho - 1) - log rho, >= 0 per token
             "approx_kl": float(torch.where(m, (ratio - 1.0) - log_ratio, 0.0).sum()) / denom,

@@ -95,11 +95,31 @@ def ensure_default_model() -> Path:
     """Return the directory of the converted default model, fetching and converting it the first time."""
     cache = cache_dir()
     dest = cache / "SmolLM2-135M-Instruct"
-    if (dest / "config.json").exists() and list(dest.glob("*.safetensors")):
+
+    def ready() -> bool:
+        return (dest / "config.json").exists() and bool(list(dest.glob("*.safetensors")))
+
+    if ready():
         return dest
     cache.mkdir(parents=True, exist_ok=True)
-    _convert_gguf(_fetch_gguf(cache), dest)
+    with cache_lock(cache):  # torchrun's ranks or two runs starting at once: one fetches, the others wait
+        if not ready():      # ... and find the model there when the lock is theirs
+            _convert_gguf(_fetch_gguf(cache), dest)
     return dest
+
+
+@contextmanager
+def cache_lock(cache: Path):
+    """An exclusive lock on the cache directory (flock on cache/.lock), held while the model is fetched and
+    converted; the kernel releases it when its holder dies, so a killed fetch never blocks the next run."""
+    import fcntl
+
+    with open(cache / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def resolve_model(name_or_path: str) -> Path:

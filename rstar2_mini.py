@@ -10,10 +10,10 @@ latest policy does not solve 8/8, with the optimizer reset. How one RL step depa
 
   1. multi-turn rollouts with a real Python tool (scheduler.py + sandbox.py), 2G per problem (oversampling);
   2. outcome-only reward: 1 if the final \\boxed{} inside <answer> is right, else 0 (eval.py); no format reward;
-  3. groups whose rewards are all equal are dropped and more problems drawn until the step is full (DAPO's
-     dynamic sampling; at laptop scale most groups are uninformative otherwise);
-  4. Resample-on-Correct (grpo_roc.py): keep half the wrong rollouts uniformly, and the correct ones with the
+  3. Resample-on-Correct (grpo_roc.py): keep half the wrong rollouts uniformly, and the correct ones with the
      fewest tool errors and format problems, 2G -> G; advantages normalized over the kept G;
+  4. groups whose kept rewards are all equal are dropped and more problems drawn until the step is full (DAPO's
+     dynamic sampling; at laptop scale most groups are uninformative otherwise);
   5. the clipped token-level loss with clip-higher (0.2 / 0.28), no KL and no entropy term, tool tokens masked.
 
 Data flow of one step (DESIGN.md):  problems -> rollouts -> rewards -> drop/RoC -> advantages -> old log-probs
@@ -34,9 +34,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from distributed import (DIST, all_ranks_sum, barrier, clip_gradients, close_distributed, from_rank0, full_state,
-                         init_distributed, load_optimizer_state, my_micro_batches, rank_shares, shard_policy,
-                         without_torchrun_env)
+from distributed import (DIST, all_ranks_max, all_ranks_sum, barrier, clip_gradients, close_distributed,
+                         from_rank0, full_state, init_distributed, load_optimizer_state, my_micro_batches,
+                         rank_shares, shard_policy, without_torchrun_env)
 
 # ----------------------------------------------------------------------------------------------------------
 # Configuration: every hyperparameter in one dataclass, with its paper value; presets scale it to the machine.
@@ -237,9 +237,17 @@ def load_problem_source(cfg: Config):
 # (model.next_token_logits). The result equals a full forward exactly: gradients flow into the prefix.
 
 
-def shared_prefix_length(seqs: list[list[int]]) -> int:
-    """Length of the longest prefix common to all sequences, leaving at least one token in each."""
+def shared_prefix_length(seqs: list[list[int]], masks: list[list[int]] | None = None) -> int:
+    """P: how many leading tokens the rows share and that need no log-prob of their own, so that the shared part
+    can run once (model.next_token_logits): the longest common prefix, capped at the first token whose log-prob is
+    wanted in every row (its first model token, mask 1; without masks every token but the first) and at len - 1.
+    Capping at the first model token is what keeps a rollout's own response out of the "prompt": two rollouts
+    that both begin with "<reason>", or a micro-batch of one row, still get every model token's log-prob."""
     n = min(len(s) for s in seqs) - 1
+    if masks is None:
+        return 1
+    for m in masks:
+        n = min(n, m.index(1) if 1 in m else len(m))
     first = seqs[0]
     for s in seqs[1:]:
         k = 0
@@ -251,17 +259,21 @@ def shared_prefix_length(seqs: list[list[int]]) -> int:
 
 def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share_prefix: bool = True,
                    masks: list[list[int]] | None = None):
-    """log pi(x_t | x_<t) for every token after the shared prefix. Returns (logprobs [B, T], start index P):
-    logprobs[b, j] is the log-probability of seqs[b][P + j] (zero where the row is padding). share_prefix=False
-    forwards the prefix with every row (one forward pass whatever the data: what FSDP's ranks need).
-    masks (the loss masks, 1 = model token): only those tokens' logits are computed, the rest are zero too (the
-    tool responses need no 49K-wide vocabulary projection); None: every real token."""
+    """log pi(x_t | x_<t) / T-scaled, by absolute position: logprobs [B, L], logprobs[b, t] is the log-probability
+    of seqs[b][t] given seqs[b][:t] (log_softmax(logits / temperature)), for every t >= 1 that is a real token;
+    zero at t = 0 and on padding. masks (the loss masks, 1 = model token): only those tokens' logits are computed
+    (the tool responses need no 49K-wide vocabulary projection), the rest are zero too.
+
+    The values do not depend on how the rows are packed: the shared prefix (run once) ends before the first
+    wanted token of every row (shared_prefix_length), so two passes over the same trajectory in different
+    micro-batches give the same numbers to float rounding. share_prefix=False forwards the prefix with every row
+    (one forward pass whatever the data: what FSDP's ranks need)."""
     import torch
 
     import model as models
 
     device = next(model.parameters()).device
-    P = shared_prefix_length(seqs)
+    P = shared_prefix_length(seqs, masks)
     B, L = len(seqs), max(len(s) for s in seqs)
     ids = torch.zeros(B, L, dtype=torch.long, device=device)
     mask = torch.zeros(B, L, dtype=torch.long, device=device)
@@ -269,11 +281,11 @@ def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share
     for b, s in enumerate(seqs):
         ids[b, :len(s)] = torch.tensor(s, device=device)
         mask[b, :len(s)] = 1
-        keep[b, :len(s)] = True if masks is None else torch.tensor(masks[b], device=device) == 1
-    rest, keep = ids[:, P:], keep[:, P:]
-    logits = models.next_token_logits(model, ids, mask, P, share_prefix, keep=keep).float()   # [keep.sum(), V]
-    kept = torch.log_softmax(logits / temperature, dim=-1).gather(-1, rest[keep].unsqueeze(-1)).squeeze(-1)
-    return torch.zeros(rest.shape, dtype=kept.dtype, device=device).masked_scatter(keep, kept), P
+        keep[b, 1:len(s)] = True if masks is None else torch.tensor(masks[b][1:], device=device) == 1
+    keep[:, :P] = False   # (P never passes a wanted token: nothing is lost here)
+    logits = models.next_token_logits(model, ids, mask, P, share_prefix, keep=keep[:, P:]).float()  # [keep.sum(), V]
+    kept = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[keep].unsqueeze(-1)).squeeze(-1)
+    return torch.zeros(B, L, dtype=kept.dtype, device=device).masked_scatter(keep, kept)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -351,8 +363,10 @@ def plot_curves(metrics_path: Path, out_png: Path) -> None:
               ("tool_error_rate", "tool error rate"), ("tool_calls_per_traj", "tool calls / trajectory"),
               ("response_len", "response length (tokens)"), ("loss", "loss"),
               ("clip_frac", "clip fraction"), ("groups_dropped_frac", "groups dropped (fraction)"),
-              ("step_time_s", "step time (s)")]
-    fig, axes = plt.subplots(3, 3, figsize=(13, 9))
+              ("step_time_s", "step time (s)"), ("reward_kept", "reward (kept after RoC)"),
+              ("tool_error_rate_pos_kept", "tool error rate, kept correct"),
+              ("logprob_diff_mean", "|engine - trainer| log-prob")]
+    fig, axes = plt.subplots(3, 4, figsize=(16, 9))
     for ax, (key, title) in zip(axes.flat, panels):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
@@ -415,7 +429,8 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
     import grpo_roc
 
     n = cfg.group_size * cfg.oversample  # 2G rollouts per problem (paper: 32)
-    informative, drawn, all_trajs = [], 0, []
+    informative, drawn, all_trajs, flattened = [], 0, [], 0
+    kept, kept_pos, all_pos, dropped_pos = [], [], [], []
     for round_ in range(cfg.max_draw_rounds):
         need = cfg.groups_per_step - len(informative)
         if need <= 0:
@@ -428,20 +443,25 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         for p, group in zip(problems, groups):
             all_trajs.extend(group)
             rewards = [t.reward for t in group]
-            keep_group = grpo_roc.drop_uninformative([rewards])[0] or not cfg.drop_all_equal
-            if keep_group:
-                informative.append((p, group))
-    kept, kept_pos, all_pos, dropped_pos = [], [], [], []
-    for p, group in informative:
-        rewards = [t.reward for t in group]
-        penalties = [grpo_roc.roc_penalty(t.tool_calls, t.tool_errors, t.answer_tags, t.turns) for t in group]
-        idx = grpo_roc.roc_downsample(rewards, penalties, cfg.group_size, rng, mode=cfg.roc_mode)  # 2G -> G
-        adv = grpo_roc.group_advantages([rewards[i] for i in idx])  # A_i = (r_i - mean) / (std + eps), over G
-        kept.extend((group[i], float(a)) for i, a in zip(idx, adv))
-        for i, t in enumerate(group):
-            if t.reward > 0:
-                all_pos.append((t, penalties[i]))
-                (kept_pos if i in idx else dropped_pos).append((t, penalties[i]))
+            if cfg.drop_all_equal and not grpo_roc.drop_uninformative([rewards])[0]:
+                continue   # all right or all wrong: no signal (DAPO's dynamic sampling draws another problem)
+            penalties = [grpo_roc.roc_penalty(t.tool_calls, t.tool_errors, t.answer_tags, t.turns) for t in group]
+            idx = grpo_roc.roc_downsample(rewards, penalties, cfg.group_size, rng, mode=cfg.roc_mode)  # 2G -> G
+            # Informative means that the G kept still differ in reward, so the test is repeated after RoC: a
+            # 2G = 8 group with one wrong rollout keeps floor(1 / 2) = 0 of it, and its G = 4 are all right,
+            # zero advantage each. The paper drops such groups (no signal); the released code instead keeps at
+            # least 2 of each kind when the group has them. drop_all_equal=False keeps every group (vanilla GRPO:
+            # zero-advantage tokens count in the token-level mean) and draws no more problems.
+            if cfg.drop_all_equal and not grpo_roc.drop_uninformative([[rewards[i] for i in idx]])[0]:
+                flattened += 1
+                continue
+            informative.append(p)
+            adv = grpo_roc.group_advantages([rewards[i] for i in idx])  # A_i = (r_i - mean) / (std + eps), over G
+            kept.extend((group[i], float(a)) for i, a in zip(idx, adv))
+            for i, t in enumerate(group):
+                if t.reward > 0:
+                    all_pos.append((t, penalties[i]))
+                    (kept_pos if i in idx else dropped_pos).append((t, penalties[i]))
 
     def mean(xs):
         xs = list(xs)
@@ -457,6 +477,7 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         "groups_kept": len(informative),
         "groups_dropped": drawn - len(informative),
         "groups_dropped_frac": (drawn - len(informative)) / drawn if drawn else 0.0,
+        "groups_equal_after_roc": flattened,                         # mixed 2G, all-equal G: dropped as well
         "reward": mean(t.reward for t in all_trajs),                 # before RoC: all 2G rollouts
         "reward_kept": mean(t.reward for t in kept_trajs),           # after RoC: the kept G
         "accuracy": mean(1.0 if any(t.reward > 0 for t in g) else 0.0 for g in
@@ -480,6 +501,8 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
                   loss_sign: float = 1.0) -> dict:
     """Old log-probs, then `minibatches` optimizer steps of the clipped token-level loss (paper eq. in grpo_roc).
 
+    Log-probs live by absolute position in each trajectory (token_logprobs), so the old pass and the new passes
+    may pack the trajectories differently: with lr = 0 every ratio is 1 and nothing is clipped (a test checks).
     Under torchrun every rank runs this with the same `kept` and `rng` (broadcast by rank 0) and takes its share
     of each mini-batch (rank_shares); FSDP sums the gradients of all ranks into every shard."""
     import torch
@@ -494,7 +517,7 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
     backward = rt.accelerator.backward if rt.accelerator is not None else torch.Tensor.backward
 
     def logprobs(mb):
-        """log pi for a micro-batch; None is a rank's empty pass (distributed.my_micro_batches)."""
+        """log pi [rows, L] for a micro-batch; None is a rank's empty pass (distributed.my_micro_batches)."""
         if mb is None:
             return token_logprobs(model, [seqs[0][:2]], cfg.temperature, share_prefix=world == 1)
         return token_logprobs(model, [seqs[i] for i in mb], cfg.temperature, share_prefix=world == 1,
@@ -505,39 +528,37 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
     chunks = [order[k::cfg.minibatches] for k in range(cfg.minibatches)]
     shares = [rank_shares(chunk, lengths) for chunk in chunks]  # shares[chunk][rank]: that rank's items
 
-    # Old log-probs pi_old: recomputed by the trainer (not the engine's) so rho = 1 exactly at the first update.
+    # Old log-probs pi_old, one per token position of each trajectory: recomputed by the trainer (not taken from
+    # the engine) so that rho = 1 exactly at the first update whatever the engine's numerics.
     old = [None] * len(seqs)
     model.eval()
     with torch.no_grad():
         for mb in my_micro_batches([sum((s[r] for s in shares), []) for r in range(world)], lengths,
                                    cfg.micro_batch_tokens):
-            logp, P = logprobs(mb)
+            logp = logprobs(mb)
             for row, i in enumerate(mb or []):
-                old[i] = (logp[row, : lengths[i] - P].clone(), P)
+                old[i] = logp[row, : lengths[i]].clone()
     model.train()
+    mismatch = engine_trainer_mismatch([t for t, _ in kept], old, masks)
 
-    losses, clip_fracs, grad_norms, tokens = [], [], [], 0
+    losses, clip_fracs, grad_norms, tokens, loss_tokens = [], [], [], 0, 0
+    ratio_min, ratio_max = float("inf"), float("-inf")
     for chunk, share in zip(chunks, shares):
         if not chunk:
             continue
         # the token-level mean runs over every model token of the mini-batch, across micro-batches and ranks
         n_tokens = sum(sum(masks[i]) for i in chunk)
         optimizer.zero_grad(set_to_none=True)
-        loss_total, clipped = 0.0, 0.0
+        loss_total, clipped, counted = 0.0, 0.0, 0
         for mb in my_micro_batches(share, lengths, cfg.micro_batch_tokens):
-            logp, P = logprobs(mb)
+            logp = logprobs(mb)
             if mb is None:
                 backward(logp.sum() * 0.0)  # no items left on this rank: a zero gradient, the collectives in step
                 continue
-            old_lp = torch.zeros_like(logp)
-            mask = torch.zeros_like(logp)
-            for row, i in enumerate(mb):
-                o, Po = old[i]
-                shift = P - Po  # the shared prefix may differ between packings; align by absolute position
-                o = o[shift:] if shift >= 0 else torch.cat([torch.zeros(-shift, device=o.device), o])
-                old_lp[row, : len(o)] = o
-                m = torch.tensor(masks[i][P:], dtype=logp.dtype)
-                mask[row, : len(m)] = m
+            old_lp, mask = torch.zeros_like(logp), torch.zeros_like(logp)
+            for row, i in enumerate(mb):   # the same absolute positions as the old pass
+                old_lp[row, : lengths[i]] = old[i]
+                mask[row, : lengths[i]] = torch.tensor(masks[i], dtype=logp.dtype)
             adv = torch.tensor([advs[i] for i in mb], dtype=logp.dtype, device=logp.device)
             loss, st = grpo_roc.policy_loss(logp, old_lp, adv, mask, cfg.clip_low, cfg.clip_high,
                                             num_tokens=n_tokens, return_stats=True)
@@ -545,7 +566,9 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
             backward(loss * world)  # FSDP averages the ranks' gradients; the loss is their sum
             loss_total += loss.item()
             clipped += st["clip_frac"] * st["num_tokens"]
-        loss_total, clipped = all_ranks_sum([loss_total, clipped])
+            counted += st["num_tokens"]
+            ratio_min, ratio_max = min(ratio_min, st["ratio_min"]), max(ratio_max, st["ratio_max"])
+        loss_total, clipped, counted = all_ranks_sum([loss_total, clipped, counted])
         grad_norm = clip_gradients(model, cfg.grad_clip)
         optimizer.step()
         scheduler_lr.step()
@@ -553,10 +576,37 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
         clip_fracs.append(clipped / max(n_tokens, 1))
         grad_norms.append(grad_norm)
         tokens += sum(lengths[i] for i in chunk)
+        loss_tokens += int(counted)
+    ratio_min, ratio_max = -all_ranks_max([-ratio_min])[0], all_ranks_max([ratio_max])[0]
     return {"loss": sum(losses) / len(losses) if losses else None,
             "clip_frac": sum(clip_fracs) / len(clip_fracs) if clip_fracs else None,
             "grad_norm": max(grad_norms) if grad_norms else None,
-            "train_tokens": tokens, "lr": scheduler_lr.get_last_lr()[0]}
+            "ratio_min": ratio_min if losses else None, "ratio_max": ratio_max if losses else None,
+            "train_tokens": tokens, "loss_tokens": loss_tokens, "lr": scheduler_lr.get_last_lr()[0], **mismatch}
+
+
+def engine_trainer_mismatch(trajs, old, masks) -> dict:
+    """|log pi_engine - log pi_old| over the model tokens of the trajectories this rank recomputed (as verl and TRL
+    log it): the sampler's log-probs against the trainer's for the same tokens. The CPU engine runs the same
+    weights in the same precision, so the mean must be ~0 there; a jump means the two disagree about the policy
+    (a packing bug, a missed weight sync, a precision gap)."""
+    import torch
+
+    total, count, worst = 0.0, 0, 0.0
+    for t, o, m in zip(trajs, old, masks):
+        if o is None:   # another rank's trajectory
+            continue
+        engine = [lp for s in t.segments if s.loss_mask for lp in (s.logprobs or [])]
+        trainer = o[torch.tensor(m, dtype=torch.bool, device=o.device)]
+        if len(engine) != len(trainer):   # a trajectory not sampled by an engine (SFT data, a test batch)
+            continue
+        if not engine:
+            continue
+        diff = (torch.tensor(engine, dtype=torch.float64) - trainer.double().cpu()).abs()
+        total, count, worst = total + float(diff.sum()), count + len(diff), max(worst, float(diff.max()))
+    total, count = all_ranks_sum([total, count])
+    worst = all_ranks_max([worst])[0]
+    return {"logprob_diff_mean": total / count if count else None, "logprob_diff_max": worst if count else None}
 
 
 def heldout_accuracy(rt: Runtime, cfg: Config, problems) -> dict:
@@ -619,8 +669,9 @@ def make_optimizer(model, cfg: Config):
 
 
 def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at, start=None,
-                reset_optimizer: bool = False, loss_sign: float = 1.0) -> dict:
-    """The RL loop of one stage. `start` is the trainer state of a checkpoint to continue from (resume), or None.
+                reset_optimizer: bool = False, loss_sign: float = 1.0, extra_state: dict | None = None) -> dict:
+    """The RL loop of one stage. `start` is the trainer state of a checkpoint to continue from (resume), or None;
+    extra_state goes into every checkpoint of the stage as it is (stage 3's hard subset).
     Under torchrun, rank 0 does everything but the other ranks' share of the update (distributed.py)."""
     from tqdm.auto import tqdm
 
@@ -695,7 +746,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
             if lead:
                 state = {"step": step, "cursor": cursor, "stage": stage, "optimizer": opt_state,
                          "schedule": schedule.state_dict(), "rng": rng_state(), "roc_rng": rng.getstate(),
-                         "world": DIST.world, "config": dataclasses.asdict(cfg)}
+                         "world": DIST.world, "config": dataclasses.asdict(cfg), **(extra_state or {})}
                 save_checkpoint(run_dir, unwrapped(rt), rt.tokenizer, state, weights=weights)
                 plot_curves(metrics_path, run_dir / "curves.png")
             del weights, opt_state
@@ -738,13 +789,24 @@ def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, sta
 # Stage 3's data: the problems the latest policy does not solve in all of 8 rollouts
 
 
-def hard_subset(rt: Runtime, cfg: Config, problem_at) -> list:
+def hard_subset(rt: Runtime, cfg: Config, problem_at) -> list[int]:
+    """Indices (into problem_at) of the scanned problems that the policy does not solve in all hard_samples tries."""
     candidates = [problem_at(i) for i in range(cfg.hard_scan)]
     groups = generate_groups(rt, cfg, candidates, cfg.hard_samples, seed=cfg.seed + 31337)
-    hard = [p for p, g in zip(candidates, groups) if sum(t.reward for t in g) < cfg.hard_samples]
+    hard = [i for i, g in enumerate(groups) if sum(t.reward for t in g) < cfg.hard_samples]
     log(f"[stage 3] hard subset: {len(hard)} of {len(candidates)} problems are not solved {cfg.hard_samples}/"
         f"{cfg.hard_samples} by the latest policy")
     return hard
+
+
+def stage3_subset(rt: Runtime, cfg: Config, problem_at, start) -> list[int]:
+    """The hard subset of stage 3: saved with every checkpoint of the stage and taken from there on --resume. A
+    new scan by the resumed (further trained) policy would find another subset, and the restored data cursor
+    would then walk a different list."""
+    if start is not None and start.get("stage") == "3" and start.get("hard_subset") is not None:
+        log(f"[stage 3] hard subset from the checkpoint: {len(start['hard_subset'])} problems")
+        return list(start["hard_subset"])
+    return on_rank0(hard_subset, rt, cfg, problem_at)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -889,14 +951,18 @@ def run_rl_stage(cfg: Config, stage: str, base_model: Path, loss_sign: float = 1
     rt = build_runtime(scfg, init)
     try:
         problem_at = load_problem_source(scfg)
+        extra = {}
         if stage == "3":
-            hard = on_rank0(hard_subset, rt, scfg, problem_at)
+            hard = stage3_subset(rt, scfg, problem_at, start)
             if not hard:
                 log("[stage 3] the policy solves every scanned problem 8/8: nothing left to train on")
                 return {}
-            problem_at = lambda i: hard[i % len(hard)]  # noqa: E731 - the hard subset, cycled
-        return train_stage(rt, scfg, stage, run_dir, problem_at, start=start, reset_optimizer=(stage == "3"),
-                           loss_sign=loss_sign)
+            scanned = problem_at
+            problem_at = lambda i: scanned(hard[i % len(hard)])  # noqa: E731 - the hard subset, cycled
+            extra = {"hard_subset": hard}
+        fresh_stage3 = stage == "3" and (start is None or start.get("stage") != "3")  # not a resumed stage 3
+        return train_stage(rt, scfg, stage, run_dir, problem_at, start=start, reset_optimizer=fresh_stage3,
+                           loss_sign=loss_sign, extra_state=extra)
     finally:
         close_runtime(rt)
 

@@ -119,16 +119,31 @@ def prompt_text(problem: str) -> str:
             f"{IM_START}assistant\n")
 
 
+# Scaffolding inserted after a tool call: close the assistant turn, a user turn holding the tool's result, then
+# open the next assistant turn. Qwen's template renders a `tool` message exactly like this.
+TOOL_RESPONSE_OPEN = f"{IM_END}\n{IM_START}user\n<tool_response>\n"
+TOOL_RESPONSE_CLOSE = f"\n</tool_response>{IM_END}\n{IM_START}assistant\n"
+
+
 def tool_response_text(response: str) -> str:
-    """Scaffolding inserted after a tool call: close the assistant turn, a user turn holding the tool's result,
-    then open the next assistant turn. Qwen's template renders a `tool` message exactly like this."""
-    return (f"{IM_END}\n{IM_START}user\n<tool_response>\n{response}\n</tool_response>{IM_END}\n"
-            f"{IM_START}assistant\n")
+    return TOOL_RESPONSE_OPEN + response + TOOL_RESPONSE_CLOSE
 
 
 def encode(tokenizer, text: str) -> list[int]:
     """Tokenize inserted text: special tokens (<|im_start|>, <|im_end|>) are parsed, no BOS is added."""
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_plain(tokenizer, text: str) -> list[int]:
+    """Tokenize text that must stay text: "<|im_end|>" in it becomes the characters, never the control token."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def encode_tool_response(tokenizer, response: str) -> list[int]:
+    """The inserted tokens of one tool result: the ChatML scaffolding with its control tokens around the tool's
+    text encoded as plain text. A program that prints "<|im_end|>\n<|im_start|>assistant" must not open a turn."""
+    return encode(tokenizer, TOOL_RESPONSE_OPEN) + encode_plain(tokenizer, response) + \
+        encode(tokenizer, TOOL_RESPONSE_CLOSE)
 
 
 def render_prompt(tokenizer, problem: str) -> list[int]:
@@ -207,7 +222,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0                 # calls whose result is not ok (malformed calls included)
     tool_statuses: dict[str, int] = field(default_factory=dict)   # status -> count ("ok", "timeout", "malformed" ...)
-    answer_tags: int = 0                 # number of <answer> tags in the model's text
+    answer_tags: int = 0                 # complete <answer> ... </answer> blocks in the model's text
     reward: float = 0.0                  # filled in by the trainer / evaluator
     engines: list[int] = field(default_factory=list)  # which engine generated each model turn (diagnostics)
     error: str = ""                      # what went wrong when finish_reason == "error"
@@ -811,7 +826,7 @@ class SimulatedEngine:
         loop = asyncio.get_running_loop()
         tokens, why = self.script(req)
         tokens = tokens[req.turn_offset:]  # the rest of the turn, when earlier chunks wrote its beginning
-        if len(tokens) >= req.max_new_tokens:
+        if len(tokens) > req.max_new_tokens:  # (a stop on the last allowed token keeps its reason, as finish_reason)
             tokens, why = tokens[:req.max_new_tokens], "length"
         seq = {"req": req, "fut": loop.create_future(), "plan": tokens, "why": why, "done": 0, "cached": 0}
         self._reserved += req.need
@@ -1028,17 +1043,40 @@ async def generate_turn(sched: Scheduler, tokenizer, cfg: RolloutConfig, context
         result, engine = await sched.generate(req, engine)
         ids += result.token_ids
         lps += result.logprobs
+        end = tool_call_end(tokenizer, ids)
+        if end is not None:  # cut where the first call completed, even if an engine saw only part of it
+            return GenResult(ids[:end], lps[:end], "tool"), engine
         if result.finish != "length" or len(ids) >= budget:
             break
         chunk += 1
-    if result.finish != "tool" and TOOL_CALL_CLOSE in tokenizer.decode(ids, skip_special_tokens=False):
-        # "</tool_call>" split across two requests is seen by neither (and a simulated engine does not look):
-        # cut the turn where it completed, exactly where an engine that saw the whole turn would have stopped
-        for k in range(1, len(ids) + 1):
-            if TOOL_CALL_CLOSE in tokenizer.decode(ids[max(0, k - len(TOOL_CALL_CLOSE)):k], skip_special_tokens=False,
-                                                   clean_up_tokenization_spaces=False):
-                return GenResult(ids[:k], lps[:k], "tool"), engine
     return GenResult(ids, lps, result.finish), engine
+
+
+def tool_call_end(tokenizer, ids: list[int]) -> int | None:
+    """How many tokens of a turn run up to and including its first complete "</tool_call>", or None.
+
+    An engine stops a request at "</tool_call>" only when it sees the whole tag in that request's own tokens: a
+    tag split across two chunks of a turn (cfg.chunk_tokens) is seen by neither, and the turn would run on to a
+    second call. Looking at the turn as a whole puts the stop exactly where an engine that generated the whole
+    turn in one request would have put it."""
+    def decode(part):
+        return tokenizer.decode(part, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    if TOOL_CALL_CLOSE not in decode(ids):
+        return None
+    for k in range(1, len(ids) + 1):  # every token holds at least one character: a window of len(tag) suffices
+        if TOOL_CALL_CLOSE in decode(ids[max(0, k - len(TOOL_CALL_CLOSE)):k]):
+            return k
+    return None
+
+
+_ANSWER_BLOCK_RE = re.compile(r"<answer>.*?</answer>", re.DOTALL)
+
+
+def count_answer_blocks(text: str) -> int:
+    """Complete <answer> ... </answer> blocks: RoC's p_format counts answers, and an opened, never closed tag is
+    not one (grpo_roc.roc_penalty)."""
+    return len(_ANSWER_BLOCK_RE.findall(text))
 
 
 async def rollout_one(sched: Scheduler, pool, tokenizer, cfg: RolloutConfig, seed: int, problem_index: int,
@@ -1078,7 +1116,7 @@ async def rollout_one(sched: Scheduler, pool, tokenizer, cfg: RolloutConfig, see
             traj.tool_calls += 1
             traj.tool_errors += status != "ok"
             traj.tool_statuses[status] = traj.tool_statuses.get(status, 0) + 1
-            inserted = encode(tokenizer, tool_response_text(response))
+            inserted = encode_tool_response(tokenizer, response)
             if len(inserted) > cfg.max_response_tokens - traj.num_response_tokens:
                 traj.finish_reason = "length"  # the tool's answer does not fit in the budget
                 break
@@ -1091,7 +1129,7 @@ async def rollout_one(sched: Scheduler, pool, tokenizer, cfg: RolloutConfig, see
     traj.response_text = tokenizer.decode(traj.response_ids, skip_special_tokens=False,
                                           clean_up_tokenization_spaces=False)
     traj.model_text = "".join(model_text)
-    traj.answer_tags = traj.model_text.count("<answer>")
+    traj.answer_tags = count_answer_blocks(traj.model_text)
     return traj
 
 

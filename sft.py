@@ -10,7 +10,7 @@ examples) and how to chat (27K). Reasoning is left for RL to discover. This modu
       -> rendered with the RL protocol of scheduler.py into a Trajectory:
            prompt  = render_prompt(tok, question)                                     loss mask 0
            model   = "<reason> .. </reason>\\n<tool_call>\\n{json}\\n</tool_call>"     loss mask 1
-           tool    = encode(tok, tool_response_text(tool text))                       loss mask 0
+           tool    = encode_tool_response(tok, tool text) (the text never parsed as ChatML)  loss mask 0
            ... (one or two calls) ...
            model   = "<reason> .. </reason>\\n<answer> .. \\boxed{X} </answer><|im_end|>"   loss mask 1
     + direct-answer / instruction-following examples (no tool: "<reason>..</reason> <answer>\\boxed{..}</answer>")
@@ -56,8 +56,8 @@ from pathlib import Path
 
 from distributed import (DIST, all_ranks_sum, clip_gradients, from_rank0, full_state, my_micro_batches,
                          rank_shares, shard_policy)
-from scheduler import (IM_END, IM_START, TOOL_NAME, Segment, Trajectory, encode, render_prompt,
-                       tool_response_text)
+from scheduler import (IM_END, IM_START, TOOL_NAME, Segment, Trajectory, encode, encode_tool_response,
+                       render_prompt, tool_response_text)
 
 # ----------------------------------------------------------------------------------------------------------
 # Configuration: every hyperparameter, with the paper's value where the paper gives one
@@ -766,8 +766,9 @@ def render_example(tokenizer, draft: Draft, results: list) -> Trajectory | None:
                    reward=1.0)
     texts = []
     for (reason, code, stdin), result in zip(draft.calls, results):
-        model_text, tool_text = call_turn(reason, code, stdin), tool_response_text(format_tool_response(result))
-        t.segments += [Segment(encode(tokenizer, model_text), 1), Segment(encode(tokenizer, tool_text), 0)]
+        model_text, tool_out = call_turn(reason, code, stdin), format_tool_response(result)
+        tool_text = tool_response_text(tool_out)
+        t.segments += [Segment(encode(tokenizer, model_text), 1), Segment(encode_tool_response(tokenizer, tool_out), 0)]
         texts += [model_text, tool_text]
         t.tool_calls += 1
         t.tool_errors += result.status != "ok"

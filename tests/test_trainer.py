@@ -24,22 +24,72 @@ ROOT = Path(__file__).resolve().parent.parent
 # log-probs with the shared prefix == a plain full forward, values and gradients
 
 
+def oracle_logprobs(m, seq: list[int], temperature: float = 1.0):
+    """The plain computation: one trajectory alone, one full forward, no prefix sharing, no padding.
+    Returns [len(seq)]: entry t is log_softmax(logits / T) at t - 1 of token seq[t]; entry 0 is 0."""
+    full = torch.log_softmax(m(input_ids=torch.tensor([seq])).logits[0].float() / temperature, -1)
+    return torch.cat([torch.zeros(1), full[:-1].gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1)])
+
+
+def random_trajectories(tokenizer, rng: random.Random, n: int, one_problem: bool = False) -> list:
+    """Trajectories shaped like real ones: two problems (the same system prompt, different questions), and a
+    short prompt of 30 tokens; responses that often begin alike ("<reason> I will", as after SFT); tool
+    responses (mask 0) between model turns; lengths from 1 token on. one_problem: the 2G rollouts of one
+    problem, nearly all beginning alike (where a shared prefix is most tempted to swallow model tokens)."""
+    prompts = [scheduler.render_prompt(tokenizer, "What is 2+3?"), scheduler.render_prompt(tokenizer, "Compute 7*8.")]
+    prompts.append(prompts[0][:30])
+    if one_problem:
+        prompts = prompts[:1]
+    common = scheduler.encode(tokenizer, "<reason> I will")
+    trajs = []
+    for i in range(n):
+        words = lambda k: [rng.randrange(100, 5000) for _ in range(k)]  # noqa: E731
+        first = (common if rng.random() < (0.9 if one_problem else 0.6) else []) + words(rng.randint(1, 10))
+        segments = [scheduler.Segment(first, 1)]
+        for _ in range(rng.randint(0, 2)):
+            segments += [scheduler.Segment(words(rng.randint(1, 8)), 0), scheduler.Segment(words(rng.randint(1, 9)), 1)]
+        trajs.append(scheduler.Trajectory(f"p{i}", list(rng.choice(prompts)), segments))
+    return trajs
+
+
+def test_token_logprobs_equal_one_trajectory_alone_for_any_packing(tokenizer):
+    """The oracle: for random packings (one row alone, rows sharing a response start, rows with a short prompt),
+    every model token's log-prob equals a full forward of its trajectory alone, and every other position is 0."""
+    m = models.tiny_model(tokenizer, seed=1)
+    rng = random.Random(0)
+    trajs = random_trajectories(tokenizer, rng, 12)
+    with torch.no_grad():
+        for trial in range(10):
+            rows = rng.sample(trajs, rng.choice([1, 1, 2, 3, 5]))
+            if trial == 0:  # two rows that share the whole first model turn
+                rows = [trajs[0], scheduler.Trajectory("twin", trajs[0].prompt_ids, trajs[0].segments[:1] +
+                                                       [scheduler.Segment([7, 8, 9], 1)])]
+            temperature, share = rng.choice([1.0, 0.7]), rng.choice([True, True, False])
+            seqs, masks = [t.input_ids for t in rows], [t.loss_mask for t in rows]
+            logp = R.token_logprobs(m, seqs, temperature, share_prefix=share, masks=masks)
+            assert logp.shape == (len(rows), max(map(len, seqs)))
+            for b, (s, mask) in enumerate(zip(seqs, masks)):
+                want = torch.tensor(mask, dtype=torch.bool)
+                ref = oracle_logprobs(m, s, temperature)
+                assert torch.allclose(logp[b, :len(s)][want], ref[want], atol=1e-5), (trial, b)
+                assert torch.all(logp[b, :len(s)][~want] == 0) and torch.all(logp[b, len(s):] == 0)
+                assert torch.all(ref[want] < 0)  # a real log-prob at every model token: none is missing
+
+
 def test_token_logprobs_equal_full_forward_with_gradients(tokenizer):
+    """Without masks every real token but the first gets its log-prob, gradients included."""
     m = models.tiny_model(tokenizer, seed=1)
     prompt = scheduler.render_prompt(tokenizer, "What is 2+3?")[:40]
     seqs = [prompt + [11, 12, 13, 14], prompt + [21, 22], prompt[:30] + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
-    logp, P = R.token_logprobs(m, seqs)
-    assert P == 30
-    loss = logp.sum()
-    loss.backward()
+    logp = R.token_logprobs(m, seqs)
+    logp.sum().backward()
     fast_grads = [p.grad.clone() for p in m.parameters()]
     m.zero_grad()
     ref_total = 0.0
     for b, s in enumerate(seqs):
-        full = torch.log_softmax(m(input_ids=torch.tensor([s])).logits[0].float(), -1)
-        ref = full[P - 1:-1].gather(-1, torch.tensor(s[P:]).unsqueeze(-1)).squeeze(-1)
-        assert torch.allclose(logp[b, : len(s) - P], ref, atol=1e-5)
-        assert torch.all(logp[b, len(s) - P:] == 0)  # padding contributes nothing
+        ref = oracle_logprobs(m, s)
+        assert torch.allclose(logp[b, :len(s)], ref, atol=1e-5)
+        assert torch.all(logp[b, len(s):] == 0)  # padding contributes nothing
         ref_total = ref_total + ref.sum()
     ref_total.backward()
     for g_fast, p in zip(fast_grads, m.parameters()):
@@ -54,21 +104,77 @@ def test_token_logprobs_with_loss_masks_compute_only_model_tokens(tokenizer):
     masks = [[0] * 40 + [1, 1, 0, 0, 1, 1], [0] * 40 + [1, 0, 1], [0] * 35 + [1, 1, 1, 0, 0, 1, 1]]
     for share in (True, False):
         m.zero_grad()
-        logp, P = R.token_logprobs(m, seqs, temperature=0.7, share_prefix=share, masks=masks)
+        logp = R.token_logprobs(m, seqs, temperature=0.7, share_prefix=share, masks=masks)
         logp.sum().backward()
         fast_grads = [p.grad.clone() for p in m.parameters()]
         m.zero_grad()
         ref_total = 0.0
         for b, (s, mask) in enumerate(zip(seqs, masks)):
-            full = torch.log_softmax(m(input_ids=torch.tensor([s])).logits[0].float() / 0.7, -1)
-            ref = full[P - 1:-1].gather(-1, torch.tensor(s[P:]).unsqueeze(-1)).squeeze(-1)
-            ref = ref * torch.tensor(mask[P:], dtype=ref.dtype)
-            assert torch.allclose(logp[b, : len(s) - P], ref, atol=1e-5)
-            assert torch.all(logp[b, len(s) - P:] == 0)
+            ref = oracle_logprobs(m, s, 0.7) * torch.tensor(mask, dtype=torch.float32)
+            assert torch.allclose(logp[b, :len(s)], ref, atol=1e-5)
+            assert torch.all(logp[b, len(s):] == 0)
             ref_total = ref_total + ref.sum()
         ref_total.backward()
         for g_fast, p in zip(fast_grads, m.parameters()):
             assert torch.allclose(g_fast, p.grad, atol=1e-5)
+
+
+def lr0_update(tokenizer, kept, **cfg_kw):
+    """policy_update on the tiny model with lr = 0 (the weights cannot change): (its numbers, the model)."""
+    m = models.tiny_model(tokenizer, seed=5)
+    cfg = R.Config(lr=0.0, warmup_steps=1, grad_clip=1e9, **cfg_kw)
+    optimizer, schedule = R.make_optimizer(m, cfg)
+    rt = R.Runtime(m, tokenizer, engines=[], pool=None, loop=None)
+    return R.policy_update(rt, cfg, optimizer, schedule, kept, random.Random(1)), m
+
+
+def test_policy_update_with_lr_0_has_ratio_1_and_trains_every_model_token(tokenizer):
+    """The reviewer's first check: with lr = 0 pi_new = pi_old, so every ratio is 1 and nothing is clipped,
+    whatever the packing (one-row micro-batches, several mini-batches), and every model token enters the loss."""
+    rng = random.Random(2)
+    settings = [(2, 4096, False), (2, 1, False), (1, 1, False), (1, 4096, False), (3, 900, False), (2, 1000, True),
+                (1, 1500, True), (2, 4096, True)]
+    for trial, (minibatches, micro, one_problem) in enumerate(settings):
+        trajs = random_trajectories(tokenizer, rng, 7, one_problem)
+        kept = [(t, rng.choice([-1.2, -0.5, 0.4, 1.1])) for t in trajs]
+        out, _ = lr0_update(tokenizer, kept, minibatches=minibatches, micro_batch_tokens=micro,
+                            temperature=rng.choice([1.0, 0.7]))
+        assert out["clip_frac"] == 0.0, (trial, out)
+        assert abs(out["ratio_min"] - 1) < 1e-6 and abs(out["ratio_max"] - 1) < 1e-6, (trial, out)
+        assert out["loss_tokens"] == sum(sum(t.loss_mask) for t in trajs), trial
+
+
+def test_policy_update_gradient_equals_the_papers_loss_on_the_oracles_logprobs(tokenizer):
+    """The gradient left by policy_update (one mini-batch, micro-batches of one row each and of all rows) equals
+    the gradient of the paper's loss written out on each trajectory's own full forward:
+    L = -(1/N) sum_i sum_{t: mask} min(rho A_i, clip(rho) A_i), rho = pi / pi_old = 1 here, so
+    grad L = -(1/N) sum_i A_i sum_{t: mask} grad log pi(t)."""
+    rng = random.Random(3)
+    trajs = random_trajectories(tokenizer, rng, 5)
+    kept = [(t, a) for t, a in zip(trajs, [1.0, -0.5, 0.75, -1.25, 0.3])]
+    for micro in (1, 4096):
+        _, m = lr0_update(tokenizer, kept, minibatches=1, micro_batch_tokens=micro, temperature=0.7)
+        got = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        N = sum(sum(t.loss_mask) for t in trajs)
+        loss = 0.0
+        for t, a in kept:
+            ref = oracle_logprobs(m, t.input_ids, 0.7)
+            loss = loss - a * (ref * torch.tensor(t.loss_mask, dtype=torch.float32)).sum() / N
+        loss.backward()
+        for g, p in zip(got, m.parameters()):
+            assert torch.allclose(g, p.grad, atol=1e-6, rtol=1e-4), micro
+
+
+def test_engine_trainer_mismatch_over_model_tokens():
+    """The metric is |engine log-prob - trainer log-prob| over model tokens only, in order."""
+    t = scheduler.Trajectory("p", [1, 2, 3], [scheduler.Segment([4, 5], 1, [-1.0, -2.0]), scheduler.Segment([6], 0),
+                                               scheduler.Segment([7], 1, [-0.5])])
+    old = torch.tensor([0.0, -9.0, -9.0, -1.25, -2.0, -9.0, -0.0])
+    out = R.engine_trainer_mismatch([t], [old], [t.loss_mask])
+    assert out["logprob_diff_mean"] == pytest.approx((0.25 + 0.0 + 0.5) / 3)
+    assert out["logprob_diff_max"] == pytest.approx(0.5)
+    assert R.engine_trainer_mismatch([t], [None], [t.loss_mask])["logprob_diff_mean"] is None  # another rank's
 
 
 def test_pack_micro_batches_respects_token_budget():
@@ -77,6 +183,44 @@ def test_pack_micro_batches_respects_token_budget():
     assert sorted(i for b in batches for i in b) == list(range(6))
     for b in batches:
         assert len(b) * max(lengths[i] for i in b) <= 400 or len(b) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The step's batch: a group is informative when its kept G differ in reward (after RoC, not before)
+
+
+def test_a_group_that_roc_leaves_all_equal_is_dropped_and_more_problems_are_drawn(tmp_path, monkeypatch):
+    """2G = 8 with one wrong rollout keeps floor(1/2) = 0 of it: the kept G = 4 are all right, zero advantage. Such
+    a group must not count toward groups_per_step (dynamic sampling draws on) nor reach the loss."""
+    def traj(i, r):
+        t = scheduler.Trajectory(f"p{i}", [1, 2], [scheduler.Segment([3, 4], 1)], turns=1, tool_calls=1,
+                                 answer_tags=1)
+        t.reward = r
+        return t
+
+    rewards_of = {0: [1] * 7 + [0], 1: [1, 0] * 4, 2: [0] * 8, 3: [1, 1, 0, 0, 0, 0, 1, 0]}
+    drawn = []
+
+    def fake_groups(rt, cfg, problems, n, seed, **kw):
+        drawn.extend(problems)
+        return [[traj(p, r) for r in rewards_of[p]] for p in problems]
+
+    monkeypatch.setattr(R, "generate_groups", fake_groups)
+    cfg = R.Config(groups_per_step=2, group_size=4, oversample=2, max_draw_rounds=3, draw_problems=0)
+    kept, stats, cursor, _ = R.select_step_batch(None, cfg, lambda i: i, 0, 0, random.Random(0))
+    assert drawn == [0, 1, 2, 3]   # round 1: problems 0, 1 (one informative); round 2: 2 (none); round 3: 3
+    assert stats["groups_kept"] == 2 and stats["groups_equal_after_roc"] == 1 and cursor == 4
+    assert {t.problem_id for t, _ in kept} == {"p1", "p3"} and len(kept) == 8
+    assert all(a != 0 for _, a in kept)
+
+
+def test_stage3_resume_takes_the_hard_subset_from_the_checkpoint(monkeypatch):
+    """A resumed stage 3 trains on the subset it started with; only a fresh stage 3 scans."""
+    monkeypatch.setattr(R, "hard_subset", lambda rt, cfg, problem_at: [3, 5, 8])
+    cfg = R.Config()
+    assert R.stage3_subset(None, cfg, None, None) == [3, 5, 8]                       # fresh: a scan
+    assert R.stage3_subset(None, cfg, None, {"stage": "2", "step": 4}) == [3, 5, 8]   # from stage 2: a scan
+    assert R.stage3_subset(None, cfg, None, {"stage": "3", "hard_subset": [1, 2]}) == [1, 2]   # resumed
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -226,6 +370,8 @@ def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_mode
     sample = (d_a / "samples" / "step_0001.md").read_text()
     assert "<tool_response>" in sample
     assert all(r["loss"] is not None and r["grad_norm"] > 0 for r in rows_a)  # both steps updated
+    # the engine sampled with the trainer's weights in the same precision: their log-probs agree (fp32 rounding)
+    assert all(r["logprob_diff_mean"] < 1e-4 and r["logprob_diff_max"] < 1e-3 for r in rows_a), rows_a
     assert (d_a / "curves.png").exists()
     assert R.latest_checkpoint(d_a).name == "step_000002"
     assert last["step"] == 2
