@@ -1293,6 +1293,12 @@ class VLLMEngine:
         here = os.path.dirname(os.path.abspath(__file__))  # the workers import scheduler.VLLMWeightLoader
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if not torch.cuda.is_available():
+            # vLLM 0.32's CPU build rewinds a seeded request's generator after a partial (chunked) prefill with
+            # Generator.set_offset, which CPU generators lack ("CPU Generator does not use offset"): the engine
+            # dies. Every request of ours has a seed, so on a CPU no prefill may be split.
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
+            engine_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 2048))
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if devices is not None:  # the engine processes inherit this; data-parallel rank i takes the i-th GPU
             physical = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]

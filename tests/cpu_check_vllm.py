@@ -5,8 +5,8 @@ It runs the real engine, not a stand-in, on a small local model (nothing from a 
     W0   a tiny Llama (SmolLM2's tokenizer, vocabulary and RoPE base 100000, 2 layers of width 256) with weights
          drawn wide enough that its next-token distribution is far from uniform (log-prob checks mean something);
          its generation_config lists two eos ids: <|im_end|> (the tokenizer's eos) and <|endoftext|> (only there)
-    W1   W0 trained for a few seconds to answer two problems by rote: "6 * 7" with a Python tool call, then an
-         answer ending in <|im_end|>; "5 + 4" directly, with an answer ending in <|endoftext|>
+    W1   W0 with its decoder layers trained (a few minutes on 2 cores) to answer one problem by rote: "6 * 7"
+         with a Python tool call, then, after the tool's response, an answer ending in <|endoftext|>
 
 Checks, in one process (the engine core is a spawned process, hence the __main__ guard):
   1. log-probs: at T = 1 and T = 0.6 the engine's log-probs of its sampled tokens (processed_logprobs) agree
@@ -15,9 +15,10 @@ Checks, in one process (the engine core is a spawned process, hence the __main__
   2. weight sync: after syncing W1 greedy outputs change, the prompt's KV is recomputed (vLLM's prefix cache was
      reset: 0 cached tokens, and the log-probs after the cached prompt match W1, not W0); syncing W0 back
      restores the outputs, the log-probs and vLLM's own weight checksums;
-  3. rollouts: real multi-turn rollouts through the scheduler with the sandbox (W1, greedy): the "6 * 7" turn
-     stops at </tool_call>, the call runs in the sandbox, the next turn answers and ends at <|im_end|>; the
-     "5 + 4" turn ends at <|endoftext|>, an eos only the generation config names: end of turn, not a tool call;
+  3. rollouts: real multi-turn rollouts through the scheduler with the sandbox (W1, greedy): the first turn
+     stops at </tool_call>, the call runs in the sandbox, the next turn answers and ends at <|endoftext|>, an
+     eos only the generation config names: the end of the turn, not a tool call; the engine's finish reasons
+     for a tool call, an eos and the length budget;
   4. shutdown, then a second launch in the same process serves again (same greedy output as the first);
   5. start-up time of each launch, and decode speed against our TransformersEngine on the same requests.
 
@@ -125,16 +126,7 @@ def trainer_logprobs(model, seqs, temperature):
     import rstar2_mini
 
     with torch.no_grad():
-        out = rstar2_mini.token_logprobs(model, seqs, temperature=temperature)
-    if isinstance(out, tuple):  # TEMPORARY until main's absolute-position API is merged: a plain forward
-        rows = []
-        for s in seqs:
-            with torch.no_grad():
-                logits = model(input_ids=torch.tensor([s])).logits[0, :-1].float()
-            lp = torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(s[1:])[:, None])[:, 0]
-            rows.append(torch.cat([torch.zeros(1), lp, torch.zeros(max(map(len, seqs)) - len(s))]))
-        return torch.stack(rows)
-    return out
+        return rstar2_mini.token_logprobs(model, seqs, temperature=temperature)
 
 
 def percentile(values, q):
@@ -154,7 +146,7 @@ def check_all(seconds_budget: float | None = None) -> dict:
     report, failures = {}, []
 
     def check(name, ok, detail=None):
-        report[name] = bool(ok) if detail is None else detail
+        report[name] = bool(ok)
         print(f"[vllm cpu check] {'ok  ' if ok else 'FAIL'} {name}" + ("" if detail is None else f": {detail}"),
               file=sys.stderr, flush=True)
         if not ok:
