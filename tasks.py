@@ -559,7 +559,7 @@ QUESTION_FIELDS = ("problem", "question", "prompt", "input")
 # solution ending in "#### N", and a bare "solution" holds a \boxed{} answer: final_answer_text() handles both.
 ANSWER_FIELDS = ("answer", "final_answer", "expected_answer", "gt_answer", "ground_truth", "target", "solution")
 
-DATASETS = {                     # short names for the offline files in the shared data directory
+DATASETS = {                     # short names for offline data files in data_dir() (none is shipped here)
     "aime24": "aime24.jsonl",
     "aime25": "aime25_matharena.jsonl",
     "hmmt25": "hmmt_feb_2025.jsonl",
@@ -573,8 +573,9 @@ DATASETS = {                     # short names for the offline files in the shar
 
 
 def data_dir() -> Path:
-    """$RSTAR2_DATA_DIR, or ../shared/data next to this checkout."""
-    return Path(os.environ.get("RSTAR2_DATA_DIR") or Path(__file__).resolve().parent.parent / "shared" / "data")
+    """Where the short names' files are looked up: $RSTAR2_DATA_DIR, else data/ in this checkout (git-ignored:
+    put downloaded copies of the benchmark files there; the repository ships none)."""
+    return Path(os.environ.get("RSTAR2_DATA_DIR") or Path(__file__).resolve().parent / "data")
 
 
 def resolve_dataset(name_or_path: str | Path) -> Path:

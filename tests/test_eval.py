@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,8 @@ def read_jsonl(name):
     (r"first \boxed{1}, then \boxed{2}", "2"),                                     # the last one
     (r"\boxed{\frac{1}{\sqrt{2}}}", r"\frac{1}{\sqrt{2}}"),                        # nested braces
     (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),                                            # escaped braces
+    (r"\boxed{\left\{ x \right.}", r"\left\{ x \right."),                          # an escaped brace need not close
+    (r"\boxed{1 \\}", r"1 \\"),                                                    # "\\" is a line break, not "\}"
     (r"\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),
     (r"the answer is $\boxed 5$.", "5"),                                           # \boxed without braces
     (r"\fbox{7}", "7"),
@@ -195,6 +198,41 @@ def test_reward():
     assert reward("the answer is 14/3", gold) == 0.0                                 # no answer at all
     assert reward(r"<answer>\boxed{033}</answer>", "33") == 1.0
     assert reward(r"<answer>\boxed{27}</answer>", 27.0) == 1.0                       # AMC golds are floats
+
+
+# ---- plain numbers: exact values, so that a decimal equals only the number it denotes
+
+@pytest.mark.parametrize("text, value", [
+    ("42", Fraction(42)), ("033", Fraction(33)), ("+5", Fraction(5)), ("- 7", Fraction(-7)),
+    ("2,125", Fraction(2125)), ("11,111,100", Fraction(11111100)), ("1,000.25", Fraction(4001, 4)),
+    ("-2.50", Fraction(-5, 2)), (".5", Fraction(1, 2)), ("27.0", Fraction(27)), ("5.", Fraction(5)),
+    ("0.333333", Fraction(333333, 1000000)), ("4.666666666666667", Fraction(4666666666666667, 10 ** 15)),
+    ("6.72e-5", Fraction(672, 10 ** 7)), ("1E3", Fraction(1000)),
+    (r"\frac{14}{3}", Fraction(14, 3)), (r"\frac43", Fraction(4, 3)), (r"\frac{10}9", Fraction(10, 9)),
+    (r"-\frac{1}{2}", Fraction(-1, 2)), (r"\frac {6} {4}", Fraction(3, 2)), ("10/9", Fraction(10, 9)),
+    ("-10 / 4", Fraction(-5, 2)),
+])
+def test_plain_number_exact_values(text, value):
+    got = grader.plain_number(text)
+    assert isinstance(got, Fraction) and got == value
+
+
+@pytest.mark.parametrize("text", [
+    "1, 000", "1 2", "1,22", "1,0000", "3.14.15", "x", "", "1/0", r"\frac{1}{0}", r"\pi", r"\sqrt{2}", "2^{10}",
+    "1e999999999", "(1,2)", "5 cm", "1/2/3",
+])
+def test_plain_number_is_none_for_anything_else(text):
+    assert grader.plain_number(text) is None
+
+
+def test_plain_numbers_compare_exactly():
+    # the fast path of is_equiv: both sides plain numbers, compared as exact fractions (no worker process)
+    for pred, gold in [("0.5", r"\frac{1}{2}"), ("27", "27.0"), ("2125", "2,125"), ("33", "033"),
+                       (".35625", r"\frac{57}{160}")]:
+        assert is_equiv(pred, gold), (pred, gold)
+    for pred, gold in [("0.333333", r"\frac13"), ("4.666666666666667", r"\frac{14}{3}"), ("5.000001", "5"),
+                       ("1000", "10"), ("0.1", "10"), ("-1", "1")]:
+        assert not is_equiv(pred, gold), (pred, gold)
 
 
 # ---- pass@k and maj@k

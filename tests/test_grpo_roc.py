@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # flat modules at the top
-from grpo_roc import (ROC_EPS, drop_uninformative, group_advantages, policy_loss, roc_downsample,
+from grpo_roc import (ADV_EPS, ROC_EPS, drop_uninformative, group_advantages, policy_loss, roc_downsample,
                       roc_penalty)
 
 
@@ -31,6 +31,19 @@ from grpo_roc import (ROC_EPS, drop_uninformative, group_advantages, policy_loss
 ])
 def test_roc_penalty_hand_values(calls, errors, tags, turns, expected):
     assert roc_penalty(calls, errors, tags, turns) == pytest.approx(expected, abs=1e-12)
+
+
+def test_roc_penalty_matches_the_equation_on_a_grid():
+    # every small count: p_total = p_err + p_format written out as the paper states it
+    for calls in range(5):
+        for errors in range(calls + 1):
+            for tags in range(5):
+                for turns in range(1 if tags else 0, 7):
+                    p_err = 0.5 if calls == 0 else errors / calls
+                    p_format = 1.0 if tags == 0 else min(1.0, (tags - 1) / turns)
+                    got = roc_penalty(calls, errors, tags, turns)
+                    assert got == pytest.approx(p_err + p_format, abs=1e-12), (calls, errors, tags, turns)
+                    assert 0.0 <= got <= 2.0
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -158,6 +171,7 @@ def test_roc_statistics_match_inverse_penalty_weighting_and_uniform_negatives():
     for i in range(4):   # sd of each frequency <= sqrt(0.25 / 20000) = 0.0035
         assert freq[i] == pytest.approx(expected[i], abs=0.015), (i, freq, expected)
     assert freq[0] > freq[1] > freq[2] > freq[3]
+    # negatives: floor(4 / 2) = 2 of the 4 kept uniformly, so each half the time, whatever its penalty
     for i in range(4, 8):
         assert freq[i] == pytest.approx(0.5, abs=0.015), (i, freq)
 
@@ -191,6 +205,16 @@ def test_drop_uninformative():
         [False, False, True, False, False, True]
 
 
+def test_drop_uninformative_over_random_groups():
+    # the rule: keep a group exactly when it holds two different rewards
+    rng = random.Random(3)
+    for _ in range(500):
+        group = [rng.choice([0.0, 1.0, 0.5]) for _ in range(rng.randint(0, 6))]
+        assert drop_uninformative([group]) == [len(set(group)) > 1], group
+    groups = [[rng.randint(0, 1) for _ in range(rng.randint(1, 5))] for _ in range(50)]
+    assert drop_uninformative(groups) == [len(set(g)) > 1 for g in groups]   # one flag per group, in order
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # group_advantages: A_i = (r_i - mean) / (population std + eps)
 
@@ -206,6 +230,23 @@ def test_group_advantages_hand_values():
     assert a[0].item() == pytest.approx(math.sqrt(3), rel=1e-5)
     assert a.sum().item() == pytest.approx(0.0, abs=1e-5)
     assert (a ** 2).mean().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_group_advantages_match_the_formula_over_random_groups():
+    # A_i = (r_i - mean) / (pstdev + 1e-6), computed with the statistics module, over many random groups
+    import statistics
+    rng = random.Random(5)
+    for _ in range(300):
+        g = rng.randint(2, 32)
+        rewards = [rng.choice([0.0, 1.0]) if rng.random() < 0.7 else rng.uniform(-1, 2) for _ in range(g)]
+        if len(set(rewards)) == 1:
+            continue
+        mean, std = statistics.fmean(rewards), statistics.pstdev(rewards)
+        expected = torch.tensor([(r - mean) / (std + ADV_EPS) for r in rewards])
+        got = group_advantages(rewards)
+        assert got.dtype == torch.float32 and got.shape == (g,)
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), rewards
+        assert got.sum().item() == pytest.approx(0.0, abs=1e-4)
 
 
 def test_group_advantages_never_nan():
@@ -291,6 +332,8 @@ def test_policy_loss_matches_naive_loop_value_and_gradient(per_token_adv):
     slow = _naive_loss(lp2, old, adv, mask)
     fast.backward()
     slow.backward()
+    # value and gradient are the equation's, one token at a time: the mean over every masked token of the
+    # batch (not a mean of per-sequence means), clipped to [0.8, 1.28]
     assert fast.item() == pytest.approx(slow.item(), abs=1e-6)
     assert torch.allclose(lp1.grad, lp2.grad, atol=1e-7)
     assert 0 < stats["clip_frac"] < 1
