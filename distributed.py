@@ -32,6 +32,7 @@ from dataclasses import dataclass
 class Dist:
     rank: int = 0
     world: int = 1
+    cpu_group: object = None  # GPUs: a gloo group, so ranks waiting for rank 0 wait on the CPU (see from_rank0)
 
 
 DIST = Dist()  # set by init_distributed(); like nanoGPT's ddp_rank / ddp_world_size
@@ -51,6 +52,8 @@ def init_distributed() -> None:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                 timeout=datetime.timedelta(hours=12))
     DIST.rank, DIST.world = dist.get_rank(), dist.get_world_size()
+    if torch.cuda.is_available():  # an NCCL wait spins a kernel on the GPU that rank 0's vLLM engines share
+        DIST.cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=12))
 
 
 def close_distributed() -> None:
@@ -145,21 +148,23 @@ def all_ranks_reduce(values: list[float], op: str) -> list[float]:
 
 
 def from_rank0(obj):
-    """Rank 0's object on every rank (pickled; the other ranks pass anything)."""
+    """Rank 0's object on every rank (pickled; the other ranks pass anything). The other ranks wait here while
+    rank 0 runs rollouts: on GPUs over the gloo group, on the CPU."""
     if DIST.world == 1:
         return obj
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=DIST.cpu_group)
     return box[0]
 
 
 def barrier() -> None:
+    """Every rank waits for the others (on GPUs over the gloo group: no kernel spins while rank 0 works)."""
     if DIST.world > 1:
         import torch.distributed as dist
 
-        dist.barrier()
+        dist.barrier(group=DIST.cpu_group)
 
 
 def full_state(model, optimizer=None) -> tuple[dict | None, dict | None]:

@@ -659,6 +659,8 @@ def main(argv=None) -> int:
     ap.add_argument("--families", help="generator families for --data heldout, comma-separated (default: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=16, help="CPU engine: sequences decoded together")
+    ap.add_argument("--engine", default="auto", help="auto (vLLM on GPUs when installed, else ours) | vllm | "
+                    "transformers")
     ap.add_argument("--show", type=int, default=0, help="print N trajectories readably")
     ap.add_argument("--out", help="directory for result.json and result.md (default: print only)")
     args = ap.parse_args(argv)
@@ -677,27 +679,35 @@ def main(argv=None) -> int:
         if not problems:
             raise ValueError(f"{args.data} holds no problems with integer answers")
         path = models.resolve_model(args.model)
+        import torch
+
+        import scheduler
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        use_vllm = scheduler.wants_vllm(args.engine, device)
     except (ValueError, models.ModelUnavailable) as e:  # tasks.DataError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    import torch
-
     import sandbox
-    import scheduler
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = models.load_tokenizer(path)
-    engines = [scheduler.TransformersEngine(models.load_model(path, device=device), tokenizer,
-                                            max_batch=args.batch, device=device)]
+    loop = asyncio.new_event_loop()
+    if use_vllm:  # nothing else on the GPUs: one engine on each, as much of it as vLLM wants
+        engines = scheduler.VLLMEngine.launch(str(path), loop, seed=args.seed, max_model_len=args.max_tokens + 2048,
+                                              dtype="bfloat16" if device == "cuda" or models.bf16_is_fast()
+                                              else "float32")
+    else:
+        engines = [scheduler.TransformersEngine(models.load_model(path, device=device), tokenizer,
+                                                max_batch=args.batch, device=device)]
     cfg = scheduler.RolloutConfig(max_turns=args.max_turns, max_response_tokens=args.max_tokens,
                                   temperature=args.temperature, top_p=args.top_p)
-    loop = asyncio.new_event_loop()
     pool = sandbox.SandboxPool()
     loop.run_until_complete(pool.start())
     try:
         summary, groups = evaluate(engines, pool, tokenizer, problems, args.samples, cfg, loop, seed=args.seed)
     finally:
+        scheduler.shutdown_engines(engines)
         loop.run_until_complete(pool.close())
         loop.close()
     summary.update(model=str(path), data=args.data, temperature=args.temperature, max_turns=args.max_turns,

