@@ -1,5 +1,6 @@
-"""Tests for sft.py: the data follows the RL protocol with real sandbox outputs, is varied, trains on model tokens
-only, the shared-prefix loss is exact, and run_sft trains, stops early and saves a loadable checkpoint."""
+"""Tests for sft.py, sft_data.py and chores.py: the data follows the RL protocol with real sandbox outputs, is
+varied, trains on model tokens only, the shared-prefix loss is exact, and run_sft trains, stops early and
+saves a loadable checkpoint."""
 import asyncio
 import dataclasses
 import json
@@ -14,6 +15,8 @@ import torch
 import eval as grader
 import model as models
 import sft
+import sft_data
+from chores import CHORES, chore_programs
 from sandbox import SandboxPool
 from scheduler import IM_END, TOOL_NAME, Trajectory, parse_tool_call, render_prompt
 
@@ -108,17 +111,17 @@ def run_here(code: str, stdin: str = "") -> str:
 def test_naming_the_result_keeps_what_every_chore_program_prints():
     """`print(f(g(x)))` -> `result = f(g(x))` + `print(result)` (fewer parentheses to close on one line), and
     every chore's every program, named or not, still prints the chore's answer."""
-    assert sft.name_the_result("s = 'ab'\nprint(', '.join(sorted(s)))") == \
+    assert sft_data.name_the_result("s = 'ab'\nprint(', '.join(sorted(s)))") == \
         "s = 'ab'\nresult = ', '.join(sorted(s))\nprint(result)"
-    assert sft.name_the_result("result = 2\nprint(abs(result))").endswith("answer = abs(result)\nprint(answer)")
+    assert sft_data.name_the_result("result = 2\nprint(abs(result))").endswith("answer = abs(result)\nprint(answer)")
     for unchanged in ("x = 3\nprint(x)", "print(5)", "print(1, 2)", "print('a', end='')", "for i in range(2):\n    print(i)"):
-        assert sft.name_the_result(unchanged) == unchanged
+        assert sft_data.name_the_result(unchanged) == unchanged
     import random
-    for chore_fn in sft.CHORES:
+    for chore_fn in CHORES:
         for seed in range(5):
             chore = chore_fn(random.Random(seed))
-            for code, stdin in sft.chore_programs(chore):
-                named = sft.name_the_result(code)
+            for code, stdin in chore_programs(chore):
+                named = sft_data.name_the_result(code)
                 assert run_here(named, stdin).strip() == run_here(code, stdin).strip() == chore.answer, named
 
 
