@@ -19,13 +19,25 @@ How data flows:
 Grader decisions (each one is pinned by a test in tests/test_eval.py):
   * A decimal equals only the number it denotes exactly: 0.5 == 1/2 and 27.0 == 27, but 0.333333 != 1/3 and
     3.14 (or 3.14159265) != pi. math-verify alone rounds to 6 places, which accepts 3.141593 for pi.
+    Except a decimal printed to machine precision: one of 15 or more significant digits equals a number when it
+    agrees with it to 15 significant digits (|d - g| < one unit in the 15th), so 0.0833333333333333 == 1/12,
+    4.666666666666667 == 14/3 and 4.123105625617661 == sqrt(17). Why: a double holds 15.9 decimal digits, so
+    15 agreeing digits are what Python's float repr, sympy's N() and numpy at full precision print for the exact
+    value; only computing that value produces them, while the estimates the rule above refuses (6 to 8 digits,
+    math-verify's rounding, numpy's default print) stay wrong. Digits past the 15th are a double's noise
+    (0.1 + 0.2 prints 0.30000000000000004), so they are not read; a truncated 0.666666666666666 counts too.
+    math-verify and Qwen's math_grader accept these (they compare with a tolerance: 6 places, relative 1e-4),
+    so this is agreement, not leniency: a guess cannot hit 15 digits, and a hedge is still several answers.
+    14 digits or fewer, or a different 15th digit (0.0833333333333353), stay wrong; integers are always exact.
+  * Scientific notation is a number: 1.5\\times10^{3} == 1.5 \\cdot 10^3 == 1500 (one nonzero digit before the
+    point, as scientific notation writes it; 15 \\times 10^{2} is a product, see "numeric gold" below).
   * "%" is a unit, dropped like "cm" or a degree sign: 50\\% == 50, and 50\\% != 0.5. A number is never rescaled
     by 100, so a gold 10 never accepts 0.1 or 1000 (the "include_percentage" leniency of Qwen-style graders).
   * Sets (and comma lists, MATH's "enter all solutions") match in any order; tuples, points, vectors and
     intervals must match element by element and bracket by bracket: (1,2) != (2,1), (3,4] != [3,4].
   * "x = 5" == 5 (also == "y = 5": the name before "=" is dropped when a plain number follows). Units (in
-    \\text{}, or words after a number: "7 days") and degree signs are ignored. math-verify's own unit stripping
-    is switched off, because it reads "2t" or "5s" as 2 or 5.
+    \\text{} or \\textnormal{}, or words after a number: "7 days") and degree signs are ignored. math-verify's
+    own unit stripping is switched off, because it reads "2t" or "5s" as 2 or 5.
   * Thousands separators (1,000 / 1{,}000 / 10,\\!080) and leading zeros (AIME's "033") are read as one integer.
     A comma is a thousands separator only between groups of exactly three digits with no space ("2,125");
     "1, 2", "1, 000" and "1,22" are lists (a comma is never a decimal point).
@@ -150,15 +162,20 @@ DECORATIONS = [
     (re.compile(r"\\?%"), ""),                                             # % is a unit: 50\% -> 50
     (re.compile(r"^\\\$|\\\$$"), ""),                                      # \$32,\!348 -> 32,348
     # a trailing unit in text: 5.4 \text{ cents}, 864 \mbox{ inches}^2, \frac{270}7\text{ degrees}
-    (re.compile(r"(?<=\S)\s*\\(?:text|mbox|mathrm|textbf)\{\s*[a-zA-Z][a-zA-Z .]*\}(?:\^\{?[23]\}?)?$"), ""),
+    (re.compile(r"(?<=\S)\s*\\(?:text|textnormal|textrm|mbox|mathrm|textbf)\{\s*[a-zA-Z][a-zA-Z .]*\}"
+                r"(?:\^\{?[23]\}?)?$"), ""),
 ]
 UNIT_WORDS = re.compile(r"(?P<number>[^a-zA-Z\\]+?)\s+[a-zA-Z]{2,}(?:\s+[a-zA-Z]{2,})*(?:\^\{?[23]\}?)?")
 ASSIGNMENT = re.compile(r"^[a-zA-Z](?:_\{?\w+\}?)?\s*=\s*(?P<rhs>[^=<>]+)$")   # x = 5, a_1 = 3
 # 12, 0033, 1,000, -2.50, .5, and 6.72e-5 as a Python tool prints it
 INTEGER_OR_DECIMAL = re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE](?P<exp>[+-]?\d+))?")
-FRACTION = re.compile(r"(?P<sign>[+-]?)\\frac(?:\{(?P<n1>\d+)\}|(?P<n2>\d))(?:\{(?P<d1>\d+)\}|(?P<d2>\d))")
+FRACTION = re.compile(r"(?P<sign>[+-]?)\\frac(?:\{(?P<n1>[+-]?\d+)\}|(?P<n2>\d))(?:\{(?P<d1>\d+)\}|(?P<d2>\d))")
 SLASH_FRACTION = re.compile(r"(?P<n>[+-]?\d+)/(?P<d>\d+)")
-TEXT_ANSWER = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{(?P<words>[^{}\d]*[a-zA-Z][^{}\d]*)\}")
+# 1.5\times10^{3}, -2.5 \cdot 10^{-2}: one nonzero digit before the point (spaces are removed before matching)
+SCIENTIFIC = re.compile(r"(?P<mantissa>[+-]?[1-9](?:\.\d+)?)(?:\\times|\\cdot|×)10"
+                        r"\^(?:\{(?P<e1>[+-]?\d+)\}|(?P<e2>\d))")
+MACHINE_DIGITS = 15   # significant digits of a decimal printed to machine precision (see "Grader decisions")
+TEXT_ANSWER = re.compile(r"\\(?:text|textnormal|textrm|textbf|mathrm|mbox)\{(?P<words>[^{}\d]*[a-zA-Z][^{}\d]*)\}")
 CHOICE_LETTER = re.compile(r"\(?[A-E]\)?")
 
 
@@ -190,6 +207,10 @@ def plain_number(s: str) -> Fraction | None:
             return None                                        # decides such answers under its timeout
         return Fraction(number[0].replace(",", ""))
     s = re.sub(r"\s+", "", s)                                  # \frac {1} {2}, 1 / 2
+    scientific = SCIENTIFIC.fullmatch(s)
+    if scientific:
+        exponent = int(scientific["e1"] or scientific["e2"])
+        return Fraction(scientific["mantissa"]) * Fraction(10) ** exponent if abs(exponent) <= 100 else None
     match = FRACTION.fullmatch(s) or SLASH_FRACTION.fullmatch(s)
     if match is None:
         return None
@@ -201,6 +222,32 @@ def plain_number(s: str) -> Fraction | None:
     return Fraction(-numerator if parts.get("sign") == "-" else numerator, denominator)
 
 
+def machine_precision_decimal(s: str) -> bool:
+    """Whether s is a decimal (a point or an exponent; not an integer) of MACHINE_DIGITS or more significant
+    digits: 0.0833333333333333, 4.123105625617661, 1.66666666666667e-5."""
+    number = INTEGER_OR_DECIMAL.fullmatch(s.strip())
+    if not number or ("." not in s and not number["exp"]):
+        return False
+    mantissa = re.split(r"[eE]", number[0])[0]
+    return len(re.sub(r"[^0-9]", "", mantissa).lstrip("0")) >= MACHINE_DIGITS
+
+
+def agrees_to_machine_precision(decimal_text: str, value) -> bool:
+    """|d - g| < 10^(floor(log10 |g|) - 14): the decimal d agrees with the exact number g (a Fraction, or a
+    string of g to 50 digits from SymPy) to 15 significant digits, rounded or truncated. Exact zero needs d == 0."""
+    import decimal
+
+    with decimal.localcontext(decimal.Context(prec=60)):
+        d = decimal.Decimal(decimal_text.strip().replace(",", ""))
+        if isinstance(value, Fraction):
+            g = decimal.Decimal(value.numerator) / decimal.Decimal(value.denominator)
+        else:
+            g = decimal.Decimal(value)
+        if g == 0:
+            return d == 0
+        return abs(d - g) < decimal.Decimal(10) ** (g.adjusted() - (MACHINE_DIGITS - 1))
+
+
 def is_word_answer(s: str) -> bool:
     """Whether a (gold) answer is words, not mathematics: a whole \\text{...} without digits ("\\text{Evelyn}",
     "\\text{(C)}", "\\text{ellipse}") or a lone choice letter A-E ("C", "(C)")."""
@@ -210,7 +257,7 @@ def is_word_answer(s: str) -> bool:
 def canonical_words(s: str) -> str:
     """Words compared as words: \\text{} wrappers, spaces, parentheses and periods dropped, lower case.
     "\\text{(C)}", "(C)" and "c" all become "c"; "\\text{ East}" becomes "east"."""
-    s = re.sub(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\(?:text|textnormal|textrm|textbf|mathrm|mbox)\{([^{}]*)\}", r"\1", s)
     return re.sub(r"[\s().]", "", s).lower()
 
 
@@ -252,12 +299,16 @@ def _equiv_normalized(pred: str, gold: str) -> bool:
     if is_word_answer(gold):                         # "\text{Evelyn}": compare words, not a product of symbols
         return canonical_words(pred) == canonical_words(gold)
     pred_value, gold_value = plain_number(pred), plain_number(gold)
-    if pred_value is not None and gold_value is not None:
-        return pred_value == gold_value              # the fast path: exact, no SymPy, no process
-    if gold_value is not None:
+    if pred_value is not None and gold_value is not None:  # the fast path: exact, no SymPy, no process
+        return (pred_value == gold_value or (machine_precision_decimal(pred) and
+                                             agrees_to_machine_precision(pred, gold_value))
+                or (machine_precision_decimal(gold) and agrees_to_machine_precision(gold, pred_value)))
+    if gold_value is not None and not machine_precision_decimal(gold):
         # A numeric gold needs a numeric answer. math-verify evaluates expressions, so "2306 \times 9484" would
         # "equal" 21870104: a policy could earn the reward by copying the question into \boxed{} (seen in a
         # CPU run on "What is 2306 * 9484?"). The paper keeps integer-answer problems; the answer is the value.
+        # (A gold printed to machine precision, 4.123105625617661, is a computed key: its closed form, sqrt(17),
+        # is the more exact answer, so that pair goes on to the worker.)
         return False
     return grade_in_worker(pred, gold)
 
@@ -273,7 +324,24 @@ def math_verify_equiv(pred: str, gold: str) -> bool:
     if not gold_parsed or not pred_parsed:
         return False
     # strict=True: variables must match by name, a set is not a tuple. The timeout is ours (the worker's timer).
-    return verify(list(gold_parsed), list(pred_parsed), strict=True, timeout_seconds=None)
+    if verify(list(gold_parsed), list(pred_parsed), strict=True, timeout_seconds=None):
+        return True
+    for decimal_text, other in ((pred, gold_parsed), (gold, pred_parsed)):  # a decimal to machine precision
+        if machine_precision_decimal(decimal_text):
+            value = real_number_digits(other[0])
+            return value is not None and agrees_to_machine_precision(decimal_text, value)
+    return False
+
+
+def real_number_digits(expr) -> str | None:
+    """A real constant expression (sqrt(17), pi/2, 1 + sqrt(5)) to 50 significant digits; None for anything
+    else (variables, sets, tuples, complex numbers)."""
+    import sympy
+
+    if not isinstance(expr, sympy.Expr) or not expr.is_number or expr.free_symbols:
+        return None
+    value = sympy.N(expr, 50)
+    return str(value) if isinstance(value, (sympy.Float, sympy.Integer)) else None   # not complex, not infinite
 
 
 @functools.lru_cache(maxsize=10_000)   # golds repeat for every sample of a problem; SymPy objects are immutable

@@ -16,8 +16,9 @@ latest policy does not solve 8/8, with the optimizer reset. How one RL step depa
      dynamic sampling; at laptop scale most groups are uninformative otherwise);
   5. the clipped token-level loss with clip-higher (0.2 / 0.28), no KL and no entropy term, tool tokens masked.
 
-Data flow of one step (DESIGN.md):  problems -> rollouts -> rewards -> drop/RoC -> advantages -> old log-probs
--> mini-batch updates -> weight sync to the engines -> metrics.jsonl, samples/, checkpoints/, curves.png.
+Data flow of one step (DESIGN.md):  problems -> rollouts (scheduler.py) -> rewards (eval.py) -> drop/RoC ->
+advantages (grpo_roc.py) -> old log-probs and mini-batch updates (rl_update.py) -> weight sync to the engines ->
+metrics.jsonl, samples/, checkpoints/, curves.png.
 """
 from __future__ import annotations
 
@@ -28,18 +29,28 @@ import json
 import os
 import random
 import resource
-import shutil
+import shlex
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from distributed import (DIST, all_ranks_max, all_ranks_sum, barrier, clip_gradients, close_distributed,
-                         from_rank0, full_state, init_distributed, load_optimizer_state, my_micro_batches,
-                         rank_shares, shard_policy, without_torchrun_env)
+from checkpoints import latest_checkpoint, rng_state, save_checkpoint, set_rng_state  # atomic, resumable
+from distributed import (DIST, barrier, close_distributed, from_rank0, full_state, init_distributed,
+                         load_optimizer_state, shard_policy, without_torchrun_env)
+# the update of one step (rl_update.py); its log-prob helpers are named here too, for tests and checks
+from rl_update import engine_trainer_mismatch, policy_update, shared_prefix_length, token_logprobs  # noqa: F401
+
+# OpenMP threads that wait for each other sleep instead of spinning. Beside any other busy process (sandbox workers,
+# another program) spinning made CPU steps several times slower than their share of the cores (docs/contention.md,
+# bench/bench_contention.py). libgomp reads this when torch loads it: nothing above imports torch. An explicit
+# OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # ----------------------------------------------------------------------------------------------------------
 # Configuration: every hyperparameter in one dataclass, with its paper value; presets scale it to the machine.
+
+SANDBOX_ISOLATION_ENV = "RSTAR2_SANDBOX_ISOLATION"  # sandbox.ISOLATION_ENV (sandbox.py is imported lazily)
 
 
 @dataclass
@@ -67,6 +78,8 @@ class Config:
     temperature: float = 1.0          # rollout temperature (paper: 1.0 for training, 0.6 for evaluation)
     top_p: float = 1.0
     tool_timeout_s: float = 10.0
+    # sandbox.py isolation: auto (namespaces, or refuse to start) | none (accept rlimits only: warned, recorded)
+    sandbox_isolation: str = dataclasses.field(default_factory=lambda: os.environ.get(SANDBOX_ISOLATION_ENV, "auto"))
     engine_batch: int = 32            # CPU engine: rows in the running batch (continuous batching)
     engine: str = "auto"              # auto (vLLM on GPU when installed) | vllm | transformers
     chunk_tokens: int = 0             # KV reserved per request: at most this many new tokens (0: the whole budget)
@@ -166,7 +179,7 @@ def stage_dir(cfg: Config, stage: str) -> Path:
 
 def comparable(cfg_dict: dict) -> dict:
     """The config fields that define a run (resuming with other values would mix two runs)."""
-    ignore = {"steps", "resume", "out", "save_every", "samples_per_step"}
+    ignore = {"steps", "resume", "out", "save_every", "samples_per_step", "sandbox_isolation"}
     return {k: v for k, v in cfg_dict.items() if k not in ignore}
 
 
@@ -226,123 +239,6 @@ def load_problem_source(cfg: Config):
         return problems[order[j]]
 
     return problem_at
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Log-probabilities of trajectories, with the shared system prompt computed once per micro-batch.
-#
-# Every trajectory starts with the same ~450-token system prompt (the paper's prompt + the tool schema), often
-# longer than the response of a small model. The prompt is forwarded once (with gradient), its KV cache is
-# expanded (a view, not a copy) to the micro-batch, and only the rest of each sequence is forwarded
-# (model.next_token_logits). The result equals a full forward exactly: gradients flow into the prefix.
-
-
-def shared_prefix_length(seqs: list[list[int]], masks: list[list[int]] | None = None) -> int:
-    """P: how many leading tokens the rows share and that need no log-prob of their own, so that the shared part
-    can run once (model.next_token_logits): the longest common prefix, capped at the first token whose log-prob is
-    wanted in every row (its first model token, mask 1; without masks every token but the first) and at len - 1.
-    Capping at the first model token is what keeps a rollout's own response out of the "prompt": two rollouts
-    that both begin with "<reason>", or a micro-batch of one row, still get every model token's log-prob."""
-    n = min(len(s) for s in seqs) - 1
-    if masks is None:
-        return 1
-    for m in masks:
-        n = min(n, m.index(1) if 1 in m else len(m))
-    first = seqs[0]
-    for s in seqs[1:]:
-        k = 0
-        while k < n and s[k] == first[k]:
-            k += 1
-        n = k
-    return max(n, 1)
-
-
-def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share_prefix: bool = True,
-                   masks: list[list[int]] | None = None):
-    """log pi(x_t | x_<t) / T-scaled, by absolute position: logprobs [B, L], logprobs[b, t] is the log-probability
-    of seqs[b][t] given seqs[b][:t] (log_softmax(logits / temperature)), for every t >= 1 that is a real token;
-    zero at t = 0 and on padding. masks (the loss masks, 1 = model token): only those tokens' logits are computed
-    (the tool responses need no 49K-wide vocabulary projection), the rest are zero too.
-
-    The values do not depend on how the rows are packed: the shared prefix (run once) ends before the first
-    wanted token of every row (shared_prefix_length), so two passes over the same trajectory in different
-    micro-batches give the same numbers to float rounding. share_prefix=False forwards the prefix with every row
-    (one forward pass whatever the data: what FSDP's ranks need)."""
-    import torch
-
-    import model as models
-
-    device = next(model.parameters()).device
-    P = shared_prefix_length(seqs, masks)
-    B, L = len(seqs), max(len(s) for s in seqs)
-    ids = torch.zeros(B, L, dtype=torch.long, device=device)
-    mask = torch.zeros(B, L, dtype=torch.long, device=device)
-    keep = torch.zeros(B, L, dtype=torch.bool, device=device)   # the tokens whose log-prob is computed
-    for b, s in enumerate(seqs):
-        ids[b, :len(s)] = torch.tensor(s, device=device)
-        mask[b, :len(s)] = 1
-        keep[b, 1:len(s)] = True if masks is None else torch.tensor(masks[b][1:], device=device) == 1
-    keep[:, :P] = False   # (P never passes a wanted token: nothing is lost here)
-    logits = models.next_token_logits(model, ids, mask, P, share_prefix, keep=keep[:, P:]).float()  # [keep.sum(), V]
-    kept = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[keep].unsqueeze(-1)).squeeze(-1)
-    return torch.zeros(B, L, dtype=kept.dtype, device=device).masked_scatter(keep, kept)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Checkpoints: model, optimizer, lr schedule, RNG states, data cursor and stage; written atomically.
-#
-# checkpoints/step_000010/ is written completely under a temporary name and renamed; then the pointer file
-# checkpoints/latest is replaced atomically. A kill at any moment leaves `latest` naming a complete checkpoint.
-
-
-def rng_state() -> dict:
-    import numpy as np
-    import torch
-
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: dict) -> None:
-    import numpy as np
-    import torch
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-
-
-def save_checkpoint(run_dir: Path, model, tokenizer, trainer_state: dict, keep: int = 2, weights=None) -> Path:
-    """weights: the full state dict when the model itself is sharded (FSDP), else None (the model's own)."""
-    import torch
-
-    ckpts = run_dir / "checkpoints"
-    ckpts.mkdir(exist_ok=True)
-    name = f"step_{trainer_state['step']:06d}"
-    tmp = ckpts / f".{name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    model.save_pretrained(tmp, state_dict=weights)
-    tokenizer.save_pretrained(tmp)
-    torch.save(trainer_state, tmp / "trainer_state.pt")
-    final = ckpts / name
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    pointer = ckpts / "latest.tmp"
-    pointer.write_text(name)
-    os.replace(pointer, ckpts / "latest")
-    for old in sorted(p for p in ckpts.glob("step_*") if p.name != name)[:-(keep - 1) or None]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.exists():
-        return None
-    path = run_dir / "checkpoints" / pointer.read_text().strip()
-    return path if (path / "trainer_state.pt").exists() else None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -495,118 +391,6 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         "answer_format_rate": mean(1.0 if t.answer_tags else 0.0 for t in all_trajs),
     }
     return kept, stats, cursor, all_trajs
-
-
-def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: random.Random,
-                  loss_sign: float = 1.0) -> dict:
-    """Old log-probs, then `minibatches` optimizer steps of the clipped token-level loss (paper eq. in grpo_roc).
-
-    Log-probs live by absolute position in each trajectory (token_logprobs), so the old pass and the new passes
-    may pack the trajectories differently: with lr = 0 every ratio is 1 and nothing is clipped (a test checks).
-    Under torchrun every rank runs this with the same `kept` and `rng` (broadcast by rank 0) and takes its share
-    of each mini-batch (rank_shares); FSDP sums the gradients of all ranks into every shard."""
-    import torch
-
-    import grpo_roc
-
-    model, world = rt.model, DIST.world  # world > 1 under torchrun (distributed.py)
-    seqs = [t.input_ids for t, _ in kept]
-    masks = [t.loss_mask for t, _ in kept]
-    advs = [a for _, a in kept]
-    lengths = [len(s) for s in seqs]
-    backward = rt.accelerator.backward if rt.accelerator is not None else torch.Tensor.backward
-
-    def logprobs(mb):
-        """log pi [rows, L] for a micro-batch; None is a rank's empty pass (distributed.my_micro_batches)."""
-        if mb is None:
-            return token_logprobs(model, [seqs[0][:2]], cfg.temperature, share_prefix=world == 1)
-        return token_logprobs(model, [seqs[i] for i in mb], cfg.temperature, share_prefix=world == 1,
-                              masks=[masks[i] for i in mb])   # only model tokens enter the loss
-
-    order = list(range(len(seqs)))
-    rng.shuffle(order)
-    chunks = [order[k::cfg.minibatches] for k in range(cfg.minibatches)]
-    shares = [rank_shares(chunk, lengths) for chunk in chunks]  # shares[chunk][rank]: that rank's items
-
-    # Old log-probs pi_old, one per token position of each trajectory: recomputed by the trainer (not taken from
-    # the engine) so that rho = 1 exactly at the first update whatever the engine's numerics.
-    old = [None] * len(seqs)
-    model.eval()
-    with torch.no_grad():
-        for mb in my_micro_batches([sum((s[r] for s in shares), []) for r in range(world)], lengths,
-                                   cfg.micro_batch_tokens):
-            logp = logprobs(mb)
-            for row, i in enumerate(mb or []):
-                old[i] = logp[row, : lengths[i]].clone()
-    model.train()
-    mismatch = engine_trainer_mismatch([t for t, _ in kept], old, masks)
-
-    losses, clip_fracs, grad_norms, tokens, loss_tokens = [], [], [], 0, 0
-    ratio_min, ratio_max = float("inf"), float("-inf")
-    for chunk, share in zip(chunks, shares):
-        if not chunk:
-            continue
-        # the token-level mean runs over every model token of the mini-batch, across micro-batches and ranks
-        n_tokens = sum(sum(masks[i]) for i in chunk)
-        optimizer.zero_grad(set_to_none=True)
-        loss_total, clipped, counted = 0.0, 0.0, 0
-        for mb in my_micro_batches(share, lengths, cfg.micro_batch_tokens):
-            logp = logprobs(mb)
-            if mb is None:
-                backward(logp.sum() * 0.0)  # no items left on this rank: a zero gradient, the collectives in step
-                continue
-            old_lp, mask = torch.zeros_like(logp), torch.zeros_like(logp)
-            for row, i in enumerate(mb):   # the same absolute positions as the old pass
-                old_lp[row, : lengths[i]] = old[i]
-                mask[row, : lengths[i]] = torch.tensor(masks[i], dtype=logp.dtype)
-            adv = torch.tensor([advs[i] for i in mb], dtype=logp.dtype, device=logp.device)
-            loss, st = grpo_roc.policy_loss(logp, old_lp, adv, mask, cfg.clip_low, cfg.clip_high,
-                                            num_tokens=n_tokens, return_stats=True)
-            loss = loss_sign * loss
-            backward(loss * world)  # FSDP averages the ranks' gradients; the loss is their sum
-            loss_total += loss.item()
-            clipped += st["clip_frac"] * st["num_tokens"]
-            counted += st["num_tokens"]
-            ratio_min, ratio_max = min(ratio_min, st["ratio_min"]), max(ratio_max, st["ratio_max"])
-        loss_total, clipped, counted = all_ranks_sum([loss_total, clipped, counted])
-        grad_norm = clip_gradients(model, cfg.grad_clip)
-        optimizer.step()
-        scheduler_lr.step()
-        losses.append(loss_total)
-        clip_fracs.append(clipped / max(n_tokens, 1))
-        grad_norms.append(grad_norm)
-        tokens += sum(lengths[i] for i in chunk)
-        loss_tokens += int(counted)
-    ratio_min, ratio_max = -all_ranks_max([-ratio_min])[0], all_ranks_max([ratio_max])[0]
-    return {"loss": sum(losses) / len(losses) if losses else None,
-            "clip_frac": sum(clip_fracs) / len(clip_fracs) if clip_fracs else None,
-            "grad_norm": max(grad_norms) if grad_norms else None,
-            "ratio_min": ratio_min if losses else None, "ratio_max": ratio_max if losses else None,
-            "train_tokens": tokens, "loss_tokens": loss_tokens, "lr": scheduler_lr.get_last_lr()[0], **mismatch}
-
-
-def engine_trainer_mismatch(trajs, old, masks) -> dict:
-    """|log pi_engine - log pi_old| over the model tokens of the trajectories this rank recomputed (as verl and TRL
-    log it): the sampler's log-probs against the trainer's for the same tokens. The CPU engine runs the same
-    weights in the same precision, so the mean must be ~0 there; a jump means the two disagree about the policy
-    (a packing bug, a missed weight sync, a precision gap)."""
-    import torch
-
-    total, count, worst = 0.0, 0, 0.0
-    for t, o, m in zip(trajs, old, masks):
-        if o is None:   # another rank's trajectory
-            continue
-        engine = [lp for s in t.segments if s.loss_mask for lp in (s.logprobs or [])]
-        trainer = o[torch.tensor(m, dtype=torch.bool, device=o.device)]
-        if len(engine) != len(trainer):   # a trajectory not sampled by an engine (SFT data, a test batch)
-            continue
-        if not engine:
-            continue
-        diff = (torch.tensor(engine, dtype=torch.float64) - trainer.double().cpu()).abs()
-        total, count, worst = total + float(diff.sum()), count + len(diff), max(worst, float(diff.max()))
-    total, count = all_ranks_sum([total, count])
-    worst = all_ranks_max([worst])[0]
-    return {"logprob_diff_mean": total / count if count else None, "logprob_diff_max": worst if count else None}
 
 
 def heldout_accuracy(rt: Runtime, cfg: Config, problems) -> dict:
@@ -764,7 +548,8 @@ def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, sta
     row = {"step": step, "stage": stage, **stats, **update, "rollout_time_s": round(t_roll, 2),
            "step_time_s": round(dt, 2), "gen_tokens_per_s": round(gen_tokens / max(t_roll, 1e-9), 1),
            "train_tokens_per_s": round(update["train_tokens"] / max(dt - t_roll, 1e-9), 1),
-           "peak_mem_gb": round(peak_memory_gb(), 2), "cursor": cursor}
+           "peak_mem_gb": round(peak_memory_gb(), 2), "cursor": cursor,
+           "sandbox_isolation": rt.pool.mode if rt.pool is not None else None}
     if heldout is not None:
         row.update(heldout_accuracy(rt, cfg, heldout))
     metrics_path = run_dir / "metrics.jsonl"
@@ -778,7 +563,8 @@ def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, sta
         f"{stats['problems_drawn']} | tool calls/traj {stats['tool_calls_per_traj']:.2f} | "
         f"tool err {stats['tool_error_rate'] if stats['tool_error_rate'] is not None else float('nan'):.2f} | "
         f"len {stats['response_len']:.0f} | loss {update['loss'] if update['loss'] is not None else float('nan'):.4f}"
-        f" | {dt:.1f}s | {row['peak_mem_gb']:.1f} GB")
+        f" | {dt:.1f}s | {row['peak_mem_gb']:.1f} GB"
+        + (f" | WARNING sandbox isolation {row['sandbox_isolation']}" if row["sandbox_isolation"] == "none" else ""))
     if heldout is not None:
         log(f"[stage {stage}] held-out accuracy after step {step}: {row['heldout_acc']:.3f} "
             f"({cfg.eval_problems} problems x {cfg.eval_samples} samples)")
@@ -861,8 +647,10 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
         else:
             engines = [scheduler.TransformersEngine(models.load_model(model_path, device=device), tokenizer,
                                                     max_batch=cfg.engine_batch, device=device)]
-        pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s)
-        loop.run_until_complete(pool.start())
+        pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s, isolation=cfg.sandbox_isolation)
+        loop.run_until_complete(pool.start())  # refuses to start without namespaces unless isolation is "none"
+        if pool.isolation["missing"]:
+            log(f"WARNING: sandbox isolation {pool.mode}: missing {'; '.join(pool.isolation['missing'])}")
     accelerator = None
     if device == "cuda" and DIST.world == 1:  # (FSDP's mixed-precision policy does this under torchrun)
         from accelerate import Accelerator
@@ -889,7 +677,10 @@ def close_runtime(rt: Runtime) -> None:
 
 def run_sft_stage(cfg: Config, base_model: Path) -> Path:
     """Non-reasoning SFT (paper 4.1) into out/sft; returns the checkpoint directory. Under torchrun every rank
-    takes part (sft.py shards the model like the RL update); rank 0 writes the files."""
+    takes part (sft.py shards the model like the RL update); rank 0 writes the files.
+
+    An SFT killed on the way (Ctrl-C) left checkpoints in out/sft/checkpoints: the same command, with or without
+    --resume, continues it from the latest one, to the weights an uninterrupted SFT would have reached."""
     import torch
 
     import model as models
@@ -900,21 +691,39 @@ def run_sft_stage(cfg: Config, base_model: Path) -> Path:
     if (ckpt / "config.json").exists():
         log(f"[sft] using the SFT checkpoint {ckpt}")
         return ckpt
-    if DIST.rank == 0:
-        d.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(d / "config.json", dataclasses.asdict(cfg) | {"stage": "sft"})
-    log(f"[sft] no SFT checkpoint in {d}: running the non-reasoning SFT first ({cfg.sft_examples} examples, "
-        f"{cfg.sft_epochs} epoch(s))")
+    interrupted = latest_checkpoint(d) is not None
+    on_rank0(check_sft_settings, cfg, d, interrupted)
+    if interrupted:
+        log(f"[sft] {d} holds an interrupted SFT: continuing it")
+    else:
+        log(f"[sft] no SFT checkpoint in {d}: running the non-reasoning SFT first ({cfg.sft_examples} examples, "
+            f"{cfg.sft_epochs} epoch(s))")
     tokenizer = models.load_tokenizer(base_model)
     policy = models.load_model(base_model, dtype=torch.float32,  # fp32 master weights, as in RL
                                device="cuda" if torch.cuda.is_available() else "cpu")
     scfg = sft.SFTConfig(n_examples=cfg.sft_examples, epochs=cfg.sft_epochs, lr=cfg.sft_lr,
                          batch_size=cfg.sft_batch, seed=cfg.seed)
-
-    metrics = sft.run_sft(policy, tokenizer, scfg, ckpt, log=log)  # starts its own sandbox pool (rank 0)
+    try:  # starts its own sandbox pool (rank 0); an interrupted SFT's weights replace the base model's
+        metrics = sft.run_sft(policy, tokenizer, scfg, ckpt, log=log, run_dir=d)
+    except sft.ResumeMismatch as e:
+        raise UsageError(str(e)) from None
     if DIST.rank == 0:
         write_json_atomic(d / "metrics.json", metrics)
     return ckpt
+
+
+def check_sft_settings(cfg: Config, d: Path, interrupted: bool) -> None:
+    """Write out/sft/config.json; an interrupted SFT is continued only with the settings it was started with."""
+    mine = dataclasses.asdict(cfg) | {"stage": "sft"}
+    if interrupted and (d / "config.json").exists():
+        theirs = json.loads((d / "config.json").read_text())
+        keys = ("model", "seed", "sft_examples", "sft_epochs", "sft_lr", "sft_batch")  # what makes the SFT
+        diff = ", ".join(f"{k}: {theirs.get(k)!r} -> {mine[k]!r}" for k in keys if theirs.get(k) != mine[k])
+        if diff:
+            raise UsageError(f"{d} holds an interrupted SFT with other settings ({diff}): run with those to "
+                             f"continue it, or pass --out NEW_DIR")
+    d.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(d / "config.json", mine)
 
 
 def previous_checkpoint(cfg: Config, stage: str) -> Path | None:
@@ -999,6 +808,9 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--seed", type=int, default=0, help="seed for problems, sampling and RoC")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--data", help="JSONL/JSON problems file or a benchmark name (default: built-in generator)")
+    p.add_argument("--sandbox-isolation", choices=("auto", "none"),
+                   help="auto (default): isolate tool calls in namespaces or refuse to start; none: accept "
+                        "rlimits only (code can reach the network), warned in the log and recorded in the run")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any Config field, e.g. --set lr=2e-6 --set roc_mode=none (repeatable)")
     args = p.parse_args(argv)
@@ -1018,6 +830,8 @@ def parse_args(argv=None) -> Config:
         explicit.add(key)
     for key in ("stage", "preset", "model", "out", "seed", "resume", "data"):
         values[key] = getattr(args, key)
+    if args.sandbox_isolation is not None:
+        values["sandbox_isolation"] = args.sandbox_isolation
     if args.steps is not None:
         if args.steps < 1:
             raise UsageError("--steps must be at least 1")
@@ -1025,6 +839,8 @@ def parse_args(argv=None) -> Config:
         explicit.add("steps")
     cfg = Config(**values)
     cfg._explicit = explicit
+    if cfg.sandbox_isolation not in ("auto", "none", "userns"):
+        raise UsageError(f"sandbox isolation {cfg.sandbox_isolation!r}: choose auto or none")
     import tasks
 
     try:  # unknown generator levels or families: one clear line now, not a traceback inside step 1
@@ -1058,6 +874,7 @@ def main(argv=None) -> int:
     try:
         cfg = parse_args(argv)
         init_distributed()  # under torchrun: join the other ranks (distributed.py)
+        os.environ[SANDBOX_ISOLATION_ENV] = cfg.sandbox_isolation  # every sandbox pool of the run (SFT's too)
         import model as models
 
         base = models.resolve_model(cfg.model)
@@ -1076,14 +893,17 @@ def main(argv=None) -> int:
         return 2
     except Exception as e:  # the errors a person can act on, without a traceback
         import model as models
+        import sandbox
         import tasks
 
-        if isinstance(e, (models.ModelUnavailable, tasks.DataError)):
+        if isinstance(e, (models.ModelUnavailable, tasks.DataError, sandbox.SandboxUnavailable)):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise
-    except KeyboardInterrupt:
-        print("interrupted: the latest checkpoint is intact; continue with --resume", file=sys.stderr)
+    except KeyboardInterrupt:  # checkpoints are written atomically: the latest one is whole
+        args = list(sys.argv[1:] if argv is None else argv)
+        again = shlex.join(["python", "rstar2_mini.py", *args, *([] if "--resume" in args else ["--resume"])])
+        print(f"interrupted: the latest checkpoint is intact; continue with:\n  {again}", file=sys.stderr)
         return 130
 
 

@@ -26,10 +26,21 @@ Statuses: ok | error (exception or non-zero exit) | timeout | memory (MemoryErro
 hard cap) | crashed (killed by a signal) | rejected (source too large, NUL bytes). For RoC, any status but "ok"
 counts as a tool error.
 
-Isolation is set up once per worker, as far as the machine allows: as root, namespaces plus a drop to a per-worker
-uid; as an ordinary user, a user namespace (capabilities dropped instead of the uid); with neither, rlimits, a
-scratch directory, a clean environment and process-tree killing only. Whatever is missing is named in one
-warning when the pool starts; the pool never runs unisolated silently. SandboxSession adds optional state.
+Isolation is set up once per worker and fails closed: as root, namespaces plus a drop to a per-worker uid; as an
+ordinary user, a user namespace (capabilities dropped instead of the uid). Where the kernel or a container runtime
+refuses `unshare` (Docker's default seccomp profile does), the pool refuses to start and names what is missing
+and the option that accepts less: isolation="none" (the trainer's `--sandbox-isolation none`, or the environment
+variable RSTAR2_SANDBOX_ISOLATION=none for any entry point): rlimits, a scratch directory, a clean environment
+and process-tree killing only, warned about at start and recorded by the trainer in config.json and every
+metrics.jsonl row.
+
+Every call is bounded in every mode (see call_limits()): its processes by a cgroup's pids.max where cgroups are
+writable, else by RLIMIT_NPROC where the kernel counts it for the sandbox alone (a uid of its own, or a user
+namespace), else by RLIMIT_NPROC set to what the user already runs plus max_processes; and by pid_max in its PID
+namespace (300 + max_processes + 3, Linux 6.14+). Its memory by RLIMIT_AS per process and, where cgroups are
+writable, by the worker's cgroup memory limit, which counts all its processes together with its /tmp (a tmpfs)
+and memfds. Every call has oom_score_adj 1000 (its workers 500): when memory runs out anywhere, the kernel kills
+a call first, before the trainer. docs/sandbox.md has the table and the measured bombs. SandboxSession adds optional state.
 
 Run `python sandbox.py` for a small demonstration.
 """
@@ -63,10 +74,18 @@ import time
 import traceback
 import types
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "crashed", "rejected")
+ISOLATION_MODES = ("auto", "none", "userns")
+ISOLATION_ENV = "RSTAR2_SANDBOX_ISOLATION"  # the default of SandboxConfig.isolation, for every entry point
+WEAKER_OPTION = ("isolation='none' (rstar2_mini.py --sandbox-isolation none; SandboxPool(isolation='none'); "
+                 "or RSTAR2_SANDBOX_ISOLATION=none in the environment)")
+
+
+class SandboxUnavailable(RuntimeError):
+    """The machine cannot isolate model-written code and weaker isolation was not accepted."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -87,18 +106,21 @@ class SandboxConfig:
     """Everything the pool and its workers need; SandboxPool's keyword arguments override these defaults."""
 
     timeout_s: float = 10.0  # wall time per call (the paper's tool: a few seconds to tens of seconds)
-    memory_mb: int = 2048  # RLIMIT_AS of the call
+    memory_mb: int = 2048  # RLIMIT_AS of each process; with a cgroup, also the call's total (processes, /tmp, memfds)
     max_output_chars: int = 4096  # kept per stream: head and tail halves, the middle counted and cut
     hard_output_bytes: int = 1 << 20  # a call that prints more than this (stdout + stderr) is killed
     max_source_bytes: int = 1 << 20  # larger code or stdin is rejected without running
     file_size_mb: int = 64  # RLIMIT_FSIZE: no file larger than this
     scratch_mb: int = 256  # size of the per-call tmpfs mounted on /tmp (the only writable place)
     max_open_files: int = 256  # RLIMIT_NOFILE
-    max_processes: int = 64  # RLIMIT_NPROC, counted per uid (each worker of each pool has its own)
+    max_processes: int = 64  # processes (threads included) of one call: cgroup pids.max or RLIMIT_NPROC (call_limits)
     sandbox_uid: int = 990_000  # base of the unprivileged uids/gids code runs as (see sandbox_uid(); no passwd entry)
     recycle_after: int = 5000  # calls after which a worker is replaced by a fresh one (started in the background)
     startup_timeout_s: float = 120.0  # a worker must import its preloads within this
-    isolation: str = "auto"  # "auto"; "userns" or "none" force the weaker modes (for tests)
+    # "auto": namespaces (as root with a uid of their own, else in a user namespace) or refuse to start;
+    # "none": accept no namespaces (warned, recorded); "userns": force the user-namespace mode (tests as root)
+    isolation: str = field(default_factory=lambda: os.environ.get(ISOLATION_ENV, "auto"))
+    cgroup: bool = True  # a cgroup (v2, else v1) with memory and pids limits per worker, where cgroups are writable
     preload: tuple[str, ...] = ("numpy", "sympy")
 
 
@@ -149,7 +171,7 @@ def describe_failure(result: ExecResult) -> str:
     if result.status == "timeout":
         return "timeout: the code ran past its time limit and was killed"
     if result.status == "memory":
-        return "memory: the code ran out of memory (MemoryError)"
+        return "memory: the code ran out of memory"
     if result.status == "output_limit":
         return "output_limit: the code printed too much and was killed"
     if result.status == "crashed":
@@ -241,7 +263,7 @@ def drop_all_capabilities() -> None:
 # Worker start-up (runs once per worker, as W): namespaces and the read-only view of the file system
 
 NEW_ROOT = "/sys"  # borrowed as the mount point of the new root's tmpfs (in our private mount namespace only)
-TMP_STASH = "/.interpreter-in-tmp"  # interpreter files that live under /tmp, bound here too (see fresh_scratch)
+TMP_STASH = "/.interpreter-in-tmp"  # interpreter files that live under /tmp are bound here (see remap_interpreter)
 DEVICES = ("null", "zero", "full", "random", "urandom")
 
 
@@ -277,9 +299,40 @@ def paths_the_interpreter_needs() -> list[str]:
 
 
 def interpreter_paths_in_tmp() -> list[str]:
-    """Interpreter paths under /tmp (a checkout or virtual environment there): each call's private /tmp would
-    hide them, so they are bound again, read-only, into every fresh /tmp."""
+    """Interpreter paths under /tmp (a clone or virtual environment there). Each call's /tmp is a fresh, empty
+    tmpfs, and binding them into it would show them in the call's working directory: they are bound under
+    TMP_STASH instead, and the worker's Python looks for them there (remap_interpreter)."""
     return [p for p in paths_the_interpreter_needs() if p.startswith("/tmp/") and not os.path.islink(p)]
+
+
+def remap_interpreter(in_tmp: Sequence[str]) -> None:
+    """Z, after the pivot: every path of the interpreter under /tmp (sys.path, the prefixes, sys.executable, the
+    search paths and files of modules already imported) now points at its bind under TMP_STASH, before the
+    preloads are imported. A subprocess of sys.executable finds its pyvenv.cfg there too; what it cannot follow is
+    a .pth file or a pyvenv.cfg `home` that names a /tmp path, which stays hidden behind the call's /tmp."""
+    prefixes = sorted(in_tmp, key=len, reverse=True)
+
+    def moved(path):
+        if isinstance(path, str):
+            for prefix in prefixes:
+                if path == prefix or path.startswith(prefix + "/"):
+                    return TMP_STASH + path
+        return path
+
+    sys.path[:] = [moved(p) for p in sys.path]
+    for name in ("prefix", "exec_prefix", "base_prefix", "base_exec_prefix", "executable", "_base_executable"):
+        if hasattr(sys, name):
+            setattr(sys, name, moved(getattr(sys, name)))
+    for module in list(sys.modules.values()):
+        search = getattr(module, "__path__", None)
+        if isinstance(search, list):
+            search[:] = [moved(p) for p in search]
+        if isinstance(getattr(module, "__file__", None), str):
+            module.__file__ = moved(module.__file__)
+    sys.path_importer_cache.clear()
+    import importlib
+
+    importlib.invalidate_caches()
 
 
 def mount_flags_to_keep(path: str) -> int:
@@ -301,7 +354,7 @@ def bind_readonly(source: str, target: str) -> None:
 
 def build_sandbox_root() -> list[str]:
     """A tmpfs that will become '/': read-only binds of the interpreter and system libraries, a few devices.
-    Returns the interpreter paths under /tmp, which every call's fresh /tmp must get again (fresh_scratch).
+    Returns the interpreter paths under /tmp, bound under TMP_STASH (see remap_interpreter).
 
     The interpreter may live where the sandbox uid cannot enter (here /root/.pyenv, and /root is 0700): the
     directories leading to the bind mounts are created 0755 on our tmpfs, so the host's permissions are untouched
@@ -350,7 +403,10 @@ def enter_sandbox_root() -> None:
 def set_up_isolation(mode: str) -> tuple[dict, bool]:
     """Runs in W. Returns (what is in place, whether to fork Z into a new PID namespace)."""
     # "unprivileged" holds in every mode: root drops to a sandbox uid, a user namespace drops its capabilities.
-    iso = {"kind": "none", "network": False, "filesystem": False, "pid_namespace": False, "unprivileged": True}
+    iso = {"mode": mode, "kind": "none", "network": False, "filesystem": False, "pid_namespace": False,
+           "unprivileged": True, "host_uid": os.getuid()}
+    if mode not in ISOLATION_MODES:
+        raise ValueError(f"isolation must be one of {ISOLATION_MODES}, not {mode!r}")
     if mode == "none":
         return iso, False
     try:
@@ -376,6 +432,13 @@ def set_up_isolation(mode: str) -> tuple[dict, bool]:
     return iso, iso["pid_namespace"]
 
 
+def required_isolation_missing(iso: dict) -> list[str]:
+    """What isolation="auto" requires and this worker lacks: then the pool refuses to start."""
+    names = {"network": "network namespace", "filesystem": "private read-only file system view",
+             "pid_namespace": "PID namespace"}
+    return [name for key, name in names.items() if not iso[key]]
+
+
 def missing_isolation(iso: dict) -> list[str]:
     """Names of what this worker could not set up, for the one warning the pool prints."""
     missing = []
@@ -389,6 +452,10 @@ def missing_isolation(iso: dict) -> list[str]:
         missing.append("separate uid (user namespace maps one uid; capabilities are dropped instead)")
     if iso["kind"] == "none" and os.geteuid() == 0:
         missing.append("interpreter files for the dropped uid (imports beyond the preloaded modules may fail)")
+    if not iso.get("cgroup"):
+        missing.append(f"cgroup memory limit ({iso.get('cgroup_absent')}: a call's processes, /tmp and memfds are "
+                       "bounded one by one, not together; oom_score_adj 1000 still makes a call the OOM killer's "
+                       "first choice)")
     return missing
 
 
@@ -430,7 +497,40 @@ def read_message(fd: int, deadline: float | None = None) -> dict | None:
 # Inside the call (C): forked ahead of time, set up, then waits for its code on fd 0
 
 
-def set_limits(config: dict, kind: str) -> None:
+def process_limit(config: dict, iso: dict) -> int | None:
+    """RLIMIT_NPROC for a call, or None where it cannot bound one. The kernel counts processes and threads per
+    user, and since Linux 5.14 per user namespace; it exempts uid 0 (the host's root) altogether."""
+    n = config["max_processes"]
+    if iso["host_uid"] == 0:  # root drops to a uid of this worker's own; forced "userns" stays uid 0: exempt
+        return n if iso["kind"] != "userns" else None
+    if iso["kind"] == "userns" and kernel_at_least(5, 14):
+        return n + 2  # counted in this worker's user namespace alone: W, Z and the call
+    return tasks_of_uid(os.getuid()) + n  # counted with the user's other processes: leave the call n more
+
+
+def kernel_at_least(major: int, minor: int) -> bool:
+    try:
+        return tuple(int(x) for x in platform.release().split("-")[0].split(".")[:2]) >= (major, minor)
+    except ValueError:
+        return False
+
+
+def tasks_of_uid(uid: int) -> int:
+    """Processes and threads whose real uid is `uid`, as far as this process can see them (RLIMIT_NPROC's count)."""
+    count = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+                if int(fields["Uid"].split()[0]) == uid:
+                    count += int(fields["Threads"])
+            except (OSError, KeyError, ValueError):
+                pass
+    return count
+
+
+def set_limits(config: dict, iso: dict) -> None:
     """Per-call resource limits, set while still privileged so that the code cannot raise them again."""
     mb = 1 << 20
     limits = {
@@ -439,12 +539,19 @@ def set_limits(config: dict, kind: str) -> None:
         resource.RLIMIT_NOFILE: config["max_open_files"],
         resource.RLIMIT_CORE: 0,
     }
-    if os.geteuid() == 0 and kind != "userns":  # NPROC counts per uid: only meaningful for our own sandbox uid
-        limits[resource.RLIMIT_NPROC] = config["max_processes"]
+    nproc = process_limit(config, iso)
+    if nproc is not None:
+        limits[resource.RLIMIT_NPROC] = nproc
+    set_oom_score_adj(1000)  # the OOM killer's first choice, whatever the call's size; raising it needs no privilege
     for which, value in limits.items():
         soft, hard = resource.getrlimit(which)
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(which, (value, value))
+
+
+def set_oom_score_adj(value: int) -> None:
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write(str(value))
 
 
 def limit_cpu_time(timeout_s: float) -> None:
@@ -558,8 +665,10 @@ def child_main(config: dict, iso: dict, fds: tuple[int, int, int, int], scratch:
     for target, fd in enumerate(fds):  # 0 the request pipe (stdin later), 1 stdout, 2 stderr, 3 result channel
         os.dup2(fd, target, inheritable=target != RESULT_FD)
     os.closerange(RESULT_FD + 1, 1 << 16)  # among them the pool's request/response pipes
-    set_limits(config, iso["kind"])
+    set_limits(config, iso)
     os.chdir(scratch)
+    if not iso["filesystem"]:  # no private /tmp: temporary files go to the scratch directory, wiped after the call
+        os.environ["TMPDIR"] = os.environ["HOME"] = tempfile.tempdir = scratch
     drop_privileges(sandbox_uid(config), iso["kind"])
     connect_streams()  # (the environment is already SANDBOX_ENV: Z set it once, see worker_main)
     sys.argv = ["-c"]
@@ -639,8 +748,6 @@ def fresh_scratch(config: dict, iso: dict, scratch_root: str | None) -> str:
             pass  # first call: nothing mounted yet
         mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
               f"size={config['scratch_mb']}m,nr_inodes=16384,mode=0700,uid={uid},gid={uid}")
-        for path in iso.get("interpreter_in_tmp", ()):  # e.g. a virtual environment under /tmp
-            bind_readonly(TMP_STASH + path, path)
         return "/tmp"
     path = os.path.join(scratch_root, "call")  # no mount namespace: a directory that is wiped after every call
     shutil.rmtree(path, ignore_errors=True)
@@ -736,12 +843,16 @@ def reap_all(block: bool) -> None:
             return
 
 
-def classify(reason: str | None, report: dict | None, status: int, rusage, cpu_limit: float) -> tuple[str, int | None]:
-    """The status and exit code, from what we saw (our own kill reason, the wait status) and what the call said."""
+def classify(reason: str | None, report: dict | None, status: int, rusage, cpu_limit: float,
+             oom_killed: bool = False) -> tuple[str, int | None]:
+    """The status and exit code, from what we saw (our own kill reason, the wait status, the cgroup's OOM kills)
+    and what the call said."""
     if reason is not None:  # we killed it: "timeout" or "output_limit"
         return reason, None
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
+        if oom_killed and sig == signal.SIGKILL:  # the cgroup's memory limit: the kernel killed one of its processes
+            return "memory", -sig
         if sig == signal.SIGXCPU or (sig == signal.SIGKILL and rusage.ru_utime + rusage.ru_stime >= cpu_limit - 0.5):
             return "timeout", None  # the CPU-time backstop fired
         return "crashed", -sig
@@ -771,6 +882,7 @@ def exit_status_if_exiting(pid: int) -> int | None:
 def supervise_call(call: Call, request: dict, config: dict, iso: dict) -> dict:
     """Z: hand the code to the waiting fork, collect its output, enforce time and output caps, kill the rest."""
     out, err, res = HeadTail(config["max_output_chars"]), HeadTail(config["max_output_chars"]), HeadTail(4096)
+    oom_before = oom_kills(iso.get("oom_fd"))
     streams = {call.out_r: out, call.err_r: err, call.result_r: res}  # an fd leaves this dict at EOF
     start = time.monotonic()
     deadline, reason, status, rusage = start + request["timeout_s"], None, None, None
@@ -831,7 +943,10 @@ def supervise_call(call: Call, request: dict, config: dict, iso: dict) -> dict:
             report = json.loads(lines[-1])
         except ValueError:
             pass
-    state, exit_code = classify(reason, report, status, rusage, math.ceil(request["timeout_s"]) + 1)
+    oom_killed = oom_kills(iso.get("oom_fd")) > oom_before
+    state, exit_code = classify(reason, report, status, rusage, math.ceil(request["timeout_s"]) + 1, oom_killed)
+    if oom_killed and state != "memory" and not err.total_bytes:  # e.g. a child of the call was the one killed
+        err.feed(b"the call's processes together reached the sandbox's memory limit\n")
     return {"status": state, "stdout": out.text(), "stderr": err.text(), "exit_code": exit_code,
             "duration_s": duration}
 
@@ -841,12 +956,14 @@ def finish_call(call: Call, iso: dict) -> None:
     if not call.reaped:
         os.waitpid(call.pid, 0)
     os.close(call.pidfd)
-    reap_all(block=iso["pid_namespace"])
+    reap_all(block=True)  # everything left is SIGKILLed: until reaped, it still counts toward RLIMIT_NPROC / pids
 
 
 def serve(config: dict, iso: dict) -> None:
     """Z's main loop: fork the next call, wait for a request, supervise, reply, clean up; until stdin closes."""
     scratch_root = None if iso["filesystem"] else tempfile.mkdtemp(prefix="rstar2-sandbox-")
+    if scratch_root:
+        os.chmod(scratch_root, 0o711)  # the dropped uid may pass through to its scratch directory (TMPDIR)
     try:
         while True:
             call = fork_call(config, iso, scratch_root)
@@ -890,6 +1007,56 @@ def collapse_heap_into_huge_pages() -> int:
     return moved
 
 
+def join_cgroup(paths: dict) -> int:
+    """W moves itself into the worker's cgroup (made by the pool), so Z and every call are born inside it.
+    Returns an fd on the file that counts the cgroup's OOM kills (read after the pivot, which hides /sys)."""
+    for procs in paths["procs"]:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+    return os.open(paths["events"], os.O_RDONLY)
+
+
+def oom_kills(fd: int | None) -> int:
+    """The cgroup's OOM-kill count: "oom_kill N" in memory.events (v2) or memory.oom_control (v1)."""
+    if fd is None:
+        return 0
+    for line in os.pread(fd, 4096, 0).decode().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return 0
+
+
+def limit_pid_namespace(max_processes: int) -> int | None:
+    """Z: pid_max of its own PID namespace (Linux 6.14+), a process limit that needs neither a uid nor a cgroup.
+    Every process and thread needs a pid below pid_max, so a call never has more than pid_max - 1 tasks. Once the
+    namespace has handed out pid 300 the kernel allocates from 300 up only (pids 1-299 are reserved after the
+    first wrap, and 301 is the smallest pid_max it takes): 300 + max_processes + 3 leaves a call max_processes
+    (+ the supervisor's spare) from then on, and at most 300 + max_processes + 2 before."""
+    try:
+        with open("/proc/sys/kernel/pid_max", "w") as f:
+            f.write(str(300 + max_processes + 3))
+        with open("/proc/sys/kernel/pid_max") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def call_limits(config: dict, iso: dict) -> list[str]:
+    """In words, what bounds one call here (reported by the pool; docs/sandbox.md explains each)."""
+    limits = [f"RLIMIT_AS {config['memory_mb']} MB per process", "oom_score_adj 1000"]
+    if iso["filesystem"]:
+        limits.append(f"/tmp tmpfs {config['scratch_mb']} MB")
+    if iso.get("cgroup"):
+        limits.append(f"cgroup v{iso['cgroup']}: memory and pids of the worker and its calls together")
+    nproc = process_limit(config, iso)
+    if nproc is not None:
+        limits.append(f"RLIMIT_NPROC {nproc}")
+    if iso.get("pid_max"):
+        limits.append(f"pid_max {iso['pid_max']} in the PID namespace")
+    return limits
+
+
 def worker_main(config: dict) -> None:
     """Entry point of a worker process (`python -I sandbox.py --worker CONFIG`)."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the pool's handler thread dies -> so do we
@@ -898,7 +1065,12 @@ def worker_main(config: dict) -> None:
     os.umask(0o022)
     os.environ.clear()  # what every call's code sees (the pool started us with it; made certain here, once)
     os.environ.update(SANDBOX_ENV)
+    set_oom_score_adj(500)  # the supervisors go before the trainer too, after the calls (1000)
+    oom_fd = join_cgroup(config["cgroup_paths"]) if config.get("cgroup_paths") else None  # W, Z and every call
     iso, fork_init = set_up_isolation(config["isolation"])
+    iso["cgroup"] = (config.get("cgroup_paths") or {}).get("version")
+    iso["cgroup_absent"] = None if iso["cgroup"] else config.get("cgroup_absent")
+    iso["oom_fd"] = oom_fd
     if fork_init:  # W forks Z, the PID namespace's init, and waits for it
         pid = os.fork()
         if pid != 0:
@@ -909,7 +1081,10 @@ def worker_main(config: dict) -> None:
         prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of a call come back to us, to be killed
     if iso["filesystem"]:
         enter_sandbox_root()
+        remap_interpreter(iso.get("interpreter_in_tmp", ()))
+    iso["pid_max"] = limit_pid_namespace(config["max_processes"]) if iso["pid_namespace"] else None
     iso["missing"] = missing_isolation(iso)
+    iso["limits"] = call_limits(config, iso)
     failed = []
     for name in config["preload"]:  # after the pivot: proves the sandbox's view of the interpreter works
         try:
@@ -925,8 +1100,131 @@ def worker_main(config: dict) -> None:
     build_call_streams()
     gc.collect()
     huge_mb = collapse_heap_into_huge_pages()
-    send_message(1, {"ready": True, "isolation": iso, "preload_failed": failed, "huge_pages_mb": huge_mb})
+    report = {k: v for k, v in iso.items() if k != "oom_fd"}
+    send_message(1, {"ready": True, "isolation": report, "preload_failed": failed, "huge_pages_mb": huge_mb})
     serve(config, iso)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-worker cgroups (parent side): one memory + pids limit for a worker and all of its calls' processes
+#
+# cgroup v2: a child of this process's cgroup's parent (a cgroup with processes cannot also have children that
+# use controllers), with memory.max, memory.swap.max = 0 and pids.max. cgroup v1: children of this process's
+# memory and pids cgroups. Where neither can be written (a container's read-only /sys/fs/cgroup, a cgroup not
+# delegated to this user), the pool says so in its warning and the per-process limits remain.
+
+CGROUP_PREFIX = "rstar2-sandbox"
+
+
+def own_cgroups() -> dict[str, str]:
+    """Controller ("" for the v2 unified hierarchy) -> this process's cgroup, from /proc/self/cgroup."""
+    found = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f.read().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for controller in controllers.split(",") if controllers else [""]:
+                found[controller] = path
+    return found
+
+
+def cgroup_mounts() -> dict[str, tuple[str, str]]:
+    """Controller ("" for cgroup2) -> (mount point, the cgroup path mounted there), from /proc/self/mountinfo."""
+    mounts = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, right = line.split(" - ", 1)
+            fields, (fstype, _, options) = left.split(), right.split()[:3]
+            if fstype == "cgroup2":
+                mounts.setdefault("", (fields[4], fields[3]))
+            elif fstype == "cgroup":
+                for controller in set(options.split(",")) & {"memory", "pids"}:
+                    mounts.setdefault(controller, (fields[4], fields[3]))
+    return mounts
+
+
+def cgroup_dir(mount: tuple[str, str], path: str) -> str:
+    point, root = mount
+    if root != "/" and (path == root or path.startswith(root + "/")):
+        path = path[len(root):]
+    return os.path.normpath(point + "/" + path)
+
+
+def write_file(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def make_worker_cgroup(name: str, memory_bytes: int, tasks: int) -> tuple[dict | None, str]:
+    """A cgroup for one worker, memory and tasks limited: (paths, "") or (None, why there is none)."""
+    try:
+        own, mounts = own_cgroups(), cgroup_mounts()
+    except (OSError, ValueError) as e:
+        return None, f"cannot read this process's cgroups ({e})"
+    why = []
+    if "" in own and "" in mounts:
+        mine = cgroup_dir(mounts[""], own[""])
+        parent = mine if own[""] == "/" else os.path.dirname(mine)
+        d = os.path.join(parent, name)
+        try:
+            with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                enabled = f.read().split()
+            wanted = [c for c in ("memory", "pids") if c not in enabled]
+            if wanted:
+                write_file(os.path.join(parent, "cgroup.subtree_control"), " ".join("+" + c for c in wanted))
+            os.mkdir(d)
+            try:
+                write_file(f"{d}/memory.max", str(memory_bytes))
+                write_file(f"{d}/pids.max", str(tasks))
+                if os.path.exists(f"{d}/memory.swap.max"):
+                    write_file(f"{d}/memory.swap.max", "0")
+            except OSError:
+                os.rmdir(d)
+                raise
+            return {"version": 2, "dirs": [d], "procs": [f"{d}/cgroup.procs"], "limit": f"{d}/memory.max",
+                    "usage": f"{d}/memory.current", "events": f"{d}/memory.events"}, ""
+        except OSError as e:
+            why.append(f"cgroup v2 at {parent}: {e.strerror or e}")
+    if "memory" in mounts and "pids" in mounts and "memory" in own and "pids" in own:
+        dirs = []
+        try:
+            for controller in ("memory", "pids"):
+                dirs.append(os.path.join(cgroup_dir(mounts[controller], own[controller]), name))
+                os.mkdir(dirs[-1])
+            memory, pids = dirs
+            write_file(f"{memory}/memory.limit_in_bytes", str(memory_bytes))
+            write_file(f"{pids}/pids.max", str(tasks))
+            return {"version": 1, "dirs": dirs, "procs": [f"{d}/cgroup.procs" for d in dirs],
+                    "limit": f"{memory}/memory.limit_in_bytes", "usage": f"{memory}/memory.usage_in_bytes",
+                    "events": f"{memory}/memory.oom_control"}, ""
+        except OSError as e:
+            for d in reversed(dirs):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
+            why.append(f"cgroup v1 memory and pids: {e.strerror or e}")
+    if not why:
+        why.append("no cgroup v2 hierarchy nor v1 memory and pids hierarchies")
+    return None, "; ".join(why)
+
+
+def remove_worker_cgroup(paths: dict) -> None:
+    """Kill whatever is left inside (normally nothing: the worker's PID namespace died with it) and remove it."""
+    for d in paths["dirs"]:
+        for _ in range(100):
+            try:
+                os.rmdir(d)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                try:
+                    with open(f"{d}/cgroup.procs") as f:
+                        for pid in f.read().split():
+                            os.kill(int(pid), signal.SIGKILL)
+                except (OSError, ValueError):
+                    pass
+                time.sleep(0.02)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -938,6 +1236,7 @@ class Worker:
     proc: subprocess.Popen
     isolation: dict
     calls: int = 0
+    cgroup: dict | None = None
 
 
 class SandboxPool:
@@ -951,8 +1250,13 @@ class SandboxPool:
                  max_output_chars: int = 4096, preload: Sequence[str] = ("numpy", "sympy"), **options):
         self.config = SandboxConfig(timeout_s=timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars,
                                     preload=tuple(preload), **options)
+        if self.config.isolation not in ISOLATION_MODES:
+            raise ValueError(f"sandbox isolation must be one of {', '.join(ISOLATION_MODES)}, "
+                             f"not {self.config.isolation!r}")
         self.workers = workers or len(os.sched_getaffinity(0))
-        self.isolation: dict = {}
+        self.isolation: dict = {}  # what the first worker has in place (kind, namespaces, limits, missing ...)
+        self._cgroups: dict[int, dict] = {}  # worker pid -> its cgroup
+        self._launches = 0
         self.stats = {"calls": 0, "restarts": 0, "recycled": 0, "huge_pages_mb": 0}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -986,9 +1290,20 @@ class SandboxPool:
             await self.close()
             raise
         self.isolation = reports[0]
+        lacking = required_isolation_missing(reports[0])
+        if lacking and self.config.isolation != "none":  # fail closed: never weaker than asked for
+            await self.close()
+            raise SandboxUnavailable(refusal_message(reports[0], lacking))
         if reports[0]["missing"]:
-            warnings.warn("sandbox: running with weaker isolation; missing: " + "; ".join(reports[0]["missing"]),
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(f"sandbox: running with weaker isolation (isolation={self.config.isolation!r}); "
+                          "missing: " + "; ".join(reports[0]["missing"]), RuntimeWarning, stacklevel=2)
+
+    @property
+    def mode(self) -> str:
+        """The isolation in place, in one word for logs and metrics: "namespaces" (as root: with a uid of their
+        own), "userns" (namespaces inside a user namespace) or "none"."""
+        kind = self.isolation.get("kind")
+        return {"root": "namespaces", "userns": "userns"}.get(kind, "none") if kind else "not started"
 
     async def close(self) -> None:
         """Stop every worker; afterwards no process and no temporary directory of the pool is left."""
@@ -1109,11 +1424,21 @@ class SandboxPool:
 
     def _launch(self, index: int) -> subprocess.Popen:
         config = {**asdict(self.config), "index": index, "parent_pid": os.getpid()}
+        cgroup, why = None, "switched off (cgroup=False)"
+        if self.config.cgroup:
+            with self._lock:
+                self._launches += 1
+                name = f"{CGROUP_PREFIX}-{os.getpid()}-{index}-{self._launches}"
+            # until the worker is ready: room for its start-up; then its own size + memory_mb (_await_ready)
+            cgroup, why = make_worker_cgroup(name, (self.config.memory_mb + 1024) << 20, self.config.max_processes + 2)
+        config["cgroup_paths"], config["cgroup_absent"] = cgroup, why
         proc = subprocess.Popen([sys.executable, "-I", "-B", os.path.abspath(__file__), "--worker", json.dumps(config)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=SANDBOX_ENV, close_fds=True,
                                 start_new_session=True)  # no terminal signals: the pool decides when workers end
         with self._lock:
             self._worker_pids.add(proc.pid)
+            if cgroup:
+                self._cgroups[proc.pid] = cgroup
         return proc
 
     def _await_ready(self, proc: subprocess.Popen, deadline: float) -> Worker:
@@ -1127,7 +1452,12 @@ class SandboxPool:
         if hello["preload_failed"]:
             warnings.warn(f"sandbox: preload failed: {hello['preload_failed']}", RuntimeWarning)
         self.stats["huge_pages_mb"] = hello["huge_pages_mb"]  # the latest worker's (see collapse_heap_into_huge_pages)
-        return Worker(proc, hello["isolation"])
+        with self._lock:
+            cgroup = self._cgroups.get(proc.pid)
+        if cgroup:  # the worker's own memory is charged now: the calls get memory_mb on top of it
+            with open(cgroup["usage"]) as f:
+                write_file(cgroup["limit"], str(int(f.read()) + (self.config.memory_mb << 20)))
+        return Worker(proc, hello["isolation"], cgroup=cgroup)
 
     def _start_worker(self, index: int) -> Worker:
         return self._await_ready(self._launch(index), time.monotonic() + self.config.startup_timeout_s)
@@ -1147,6 +1477,20 @@ class SandboxPool:
             proc.wait()
         with self._lock:
             self._worker_pids.discard(proc.pid)
+            cgroup = self._cgroups.pop(proc.pid, None)
+        if cgroup:
+            remove_worker_cgroup(cgroup)
+
+
+def refusal_message(iso: dict, lacking: list[str]) -> str:
+    """Why the pool will not start, and the option that accepts weaker isolation (one paragraph, for people)."""
+    cause = iso.get("error") or "unknown"
+    return (f"sandbox: cannot isolate model-written code: no {', no '.join(lacking)} ({cause}). Container runtimes "
+            "block unshare(2) by default (Docker's seccomp profile; allow it with `--security-opt "
+            "seccomp=unconfined` or run as root with CAP_SYS_ADMIN), and some kernels disable user namespaces "
+            "(kernel.unprivileged_userns_clone=0, or AppArmor's apparmor_restrict_unprivileged_userns=1 on "
+            f"Ubuntu 23.10+). To run with rlimits, a scratch directory and process killing only - code can then "
+            f"reach the network and read what its uid can read - accept it with {WEAKER_OPTION}.")
 
 
 class SandboxSession:

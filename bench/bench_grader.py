@@ -3,8 +3,9 @@
 The issue's bar: grading 10,000 pairs takes under a minute on 2 cores. Pairs are built from the answers of the
 offline benchmark files (../shared/data, read in place): for each sampled gold answer a prediction that is the
 same string ("correct"), an equal answer written differently ("reformatted": 033, 1,000, x = 5, 5^\\circ,
-a/b, 0.5 for 1/2, $...$, \\dfrac, ...) or a wrong one ("wrong": off by one, scaled by 100 or 1/100, a decimal
-approximation of pi or 1/3, a changed digit). Each pair carries the verdict we intend, so the run also reports
+a/b, 0.5 for 1/2, the tool's 0.3333333333333333 for 1/3, 1.5\\times10^{3}, 125\\textnormal{ miles}, $...$,
+\\dfrac, ...) or a wrong one ("wrong": off by one, scaled by 100 or 1/100, a decimal approximation of pi or 1/3
+to 6 places, a changed digit). Each pair carries the verdict we intend, so the run also reports
 how often each grader agrees with it.
 
     python bench/bench_grader.py                       # 10,000 pairs, 2 grading threads, baseline on 2,000
@@ -65,13 +66,13 @@ def reformatted(gold: str, rng: random.Random) -> str:
     if value is not None and value.denominator == 1:
         n = int(value)
         return rng.choice([f"0{n}" if n >= 0 else f"{n}.00", f"{n:,}", f"x = {n}", f"{n}.0", f"{n}^\\circ",
-                           f"{n} \\text{{ units}}", f"\\frac{{{2 * n}}}{{2}}", f"${n}$", f"{n}\\%"])
+                           f"{n} \\text{{ units}}", f"\\frac{{{2 * n}}}{{2}}", f"${n}$", f"{n}\\%",
+                           f"{n}\\textnormal{{ miles}}", scientific(n)])
     if value is not None:
         terminating = all(p in (2, 5) for p in small_factors(value.denominator))
         forms = [f"{value.numerator}/{value.denominator}", f"\\dfrac{{{value.numerator}}}{{{value.denominator}}}",
                  f"\\frac{{{2 * value.numerator}}}{{{2 * value.denominator}}}"]
-        if terminating:
-            forms.append(decimal_string(value))
+        forms.append(decimal_string(value) if terminating else repr(float(value)))   # the tool's float print
         return rng.choice(forms)
     return rng.choice([f"${gold}$", f" {gold} ", gold.replace("\\frac", "\\dfrac"), f"\\left({gold}\\right)"
                        if not gold.startswith(("(", "[", "\\{", "\\begin")) and "," not in gold else gold + " ."])
@@ -94,6 +95,15 @@ def wrong(gold: str, rng: random.Random) -> str:
         i = rng.choice(digits)
         return gold[:i] + str((int(gold[i]) + 1) % 10) + gold[i + 1:]
     return gold + "+1"
+
+
+def scientific(n: int) -> str:
+    """n in scientific notation, 1500 -> 1.5\\times10^{3} (one nonzero digit before the point)."""
+    if n == 0:
+        return "0"
+    digits = str(abs(n)).rstrip("0") or "0"
+    mantissa = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
+    return f"{'-' if n < 0 else ''}{mantissa}\\times10^{{{len(str(abs(n))) - 1}}}"
 
 
 def small_factors(n: int) -> set[int]:

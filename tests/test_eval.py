@@ -84,6 +84,7 @@ EQUAL = [
     ("0.5", r"\frac{1}{2}"), (r"\frac13", "1/3"), (r"\frac3{3}", "1"), (r"\cfrac{1}{3}", "1/3"),
     (r"\dfrac{17}{50}", "0.34"), ("0.0000672", ".0000672"), ("6.72e-5", ".0000672"), (r"\frac{57}{160}", ".35625"),
     ("1.8", r"1\frac{4}{5}"), ("137.5", r"137 \frac{1}{2}"), (r"\frac{6}{4}", r"\frac32"),
+    (r"\frac{-22}{4}", r"-\frac{11}{2}"), (r"\dfrac{-5}{2}", "-2.5"), (r"-\frac{-2}{3}", r"\frac23"),  # a signed numerator
     # "x = 5" and 5, units, degrees, currency
     ("x = 5", "5"), ("5", "x=5"), ("y = 5", "x=5"), (r"k = \frac{1}{3}", "1/3"),
     ("90", r"90^\circ"), (r"90^{\circ}", "90"),
@@ -111,6 +112,31 @@ EQUAL = [
     (r"\textbf{(C)}", r"\text{(C)}"),
     # numbers in another base: the digits as asked
     ("4343", "4343_6"), (r"4210_{5}", "4210_5"),
+    # scientific notation is a way of writing a number (math-verify and the MATH graders agree)
+    (r"1.5\times10^{3}", "1500"), ("1500", r"1.5\times10^{3}"), (r"1.5 \cdot 10^3", "1500"),
+    (r"-2.5 \times 10^{-2}", "-0.025"), (r"6.72\times10^{-5}", ".0000672"),
+    # \textnormal{} is \text{} (a unit after a number; a word answer)
+    ("125", r"125\textnormal{ miles}"), (r"125\textnormal{ miles}", "125"), ("Evelyn", r"\textnormal{Evelyn}"),
+]
+
+# A decimal of 15 or more significant digits that agrees with the exact value to 15 significant digits (within
+# one unit in the 15th) is that value printed to machine precision (see eval.py, "Grader decisions").
+MACHINE_PRECISION_EQUAL = [
+    ("0.0833333333333333", r"\frac{1}{12}"), ("0.08333333333333333", r"\frac{1}{12}"),   # 15 digits; float repr
+    ("4.666666666666667", r"\frac{14}{3}"), ("0.666666666666666", r"\frac23"),             # rounded; truncated
+    ("0.30000000000000004", "3/10"), ("-0.0833333333333333", r"-\frac{1}{12}"),            # float noise; sign
+    ("4.99999999999999999", "5"), ("1.66666666666667e-5", r"\frac{1}{60000}"),
+    ("4.123105625617661", r"\sqrt{17}"), ("4.12310562561766", r"\sqrt{17}"),              # float repr; sympy N()
+    (r"\sqrt{17}", "4.123105625617661"), ("3.14159265358979", r"\pi"),
+    ("0.0833333333333333", "0.08333333333333333"),
+]
+MACHINE_PRECISION_NOT_EQUAL = [
+    ("0.08333333333333", r"\frac{1}{12}"), ("0.083333333", r"\frac{1}{12}"),               # 14 and 8 digits
+    ("0.0833333333333353", r"\frac{1}{12}"), ("4.12310562561768", r"\sqrt{17}"),          # off in the 15th digit
+    ("4.1231056256177", r"\sqrt{17}"), ("3.1415926535898", r"\pi"),                        # 14 digits
+    ("5.00000000000001", "5"), ("0.0833333333333333", r"\frac{1}{13}"),
+    ("0.0833333333333333", "x"), ("4.123105625617661", r"\sqrt{17} i"),
+    ("123456789012345", "123456789012346"),                                                # integers are exact
 ]
 
 NOT_EQUAL = [
@@ -119,7 +145,7 @@ NOT_EQUAL = [
     ("0.5", r"50\%"), (r"50\%", "0.5"), ("0.78", r"78\%"), (r"6.283", r"2\pi"), ("0.36338", r"1-\frac{2}{\pi}"),
     ("(3, 1.5708)", r"\left( 3, \frac{\pi}{2} \right)"), (r"4.472", r"2\sqrt{5}"),
     # a decimal is exactly the number it denotes: 0.333333 is not 1/3
-    ("0.333333", r"\frac13"), ("0.33", r"\frac{1}{3}"), ("4.666666666666667", r"\frac{14}{3}"), ("5.000001", "5"),
+    ("0.333333", r"\frac13"), ("0.33", r"\frac{1}{3}"), ("4.6666667", r"\frac{14}{3}"), ("5.000001", "5"),
     # hedging: several answers, "plus or minus", an interval around the answer, infinity
     ("5, 10", "5"), (r"5 \text{ or } 10", "5"), (r"\pm 5", "5"), ("[0,100]", "5"), (r"\infty", "5"), ("x", "5"),
     # order matters in tuples; brackets matter in intervals (math-verify tests: (0,9) vs [0,9))
@@ -135,6 +161,7 @@ NOT_EQUAL = [
     ("", "5"), ("5", ""), (r"\text{}", "5"),
     # the question copied into the box: a numeric gold needs the value, not an expression that evaluates to it
     (r"2306 \times 9484", "21870104"), ("2306*9484", "21870104"), ("7^{3} \bmod 10", "3"), (r"\binom{5}{2}", "10"),
+    (r"15 \times 10^{2}", "1500"), (r"2306 \times 10^{4}", "23060000"),   # scientific notation has one digit first
 ]
 
 
@@ -146,6 +173,40 @@ def test_equal(pred, gold):
 @pytest.mark.parametrize("pred, gold", NOT_EQUAL)
 def test_not_equal(pred, gold):
     assert not is_equiv(pred, gold)
+
+
+@pytest.mark.parametrize("pred, gold", MACHINE_PRECISION_EQUAL)
+def test_a_decimal_to_machine_precision_is_the_value(pred, gold):
+    assert is_equiv(pred, gold)
+
+
+@pytest.mark.parametrize("pred, gold", MACHINE_PRECISION_NOT_EQUAL)
+def test_a_shorter_or_different_decimal_is_not_the_value(pred, gold):
+    assert not is_equiv(pred, gold)
+
+
+def test_machine_precision_rule_against_a_plain_oracle():
+    """The rule, computed independently with 50-digit decimal arithmetic: a decimal d with n >= 15 significant
+    digits equals a fraction g iff |d - g| < 10**(floor(log10 |g|) - 14)."""
+    import decimal
+    import random
+    from fractions import Fraction
+
+    rng = random.Random(7)
+    decimal.getcontext().prec = 50
+    for _ in range(300):
+        g = Fraction(rng.randint(-10**6, 10**6) or 1, rng.randint(1, 10**4))
+        exact = decimal.Decimal(g.numerator) / decimal.Decimal(g.denominator)
+        digits = rng.choice([13, 14, 15, 16, 17])
+        d = f"{exact:.{digits}g}" if rng.random() < 0.5 else f"{float(g)!r}"
+        d = f"{float(d) + rng.choice([0, 1, -1, 3]) * 10 ** (exact.adjusted() - 14):.17g}" if rng.random() < 0.3 else d
+        if "e" in d or "." not in d:
+            continue
+        significant = len(d.lstrip("-").replace(".", "").lstrip("0"))
+        unit = decimal.Decimal(10) ** (exact.adjusted() - 14)
+        expected = significant >= 15 and abs(decimal.Decimal(d) - exact) < unit
+        expected = expected or Fraction(d) == g
+        assert is_equiv(d, f"{g.numerator}/{g.denominator}") == expected, (d, g)
 
 
 def test_enough_cases():
@@ -193,7 +254,8 @@ def test_hmmt_answers_reformatted_and_perturbed():
 def test_reward():
     gold = r"\frac{14}{3}"
     assert reward(r"<reason>f(-2)+f(-1)+f(0)</reason><answer>\boxed{\dfrac{14}{3}}</answer>", gold) == 1.0
-    assert reward(r"<answer>\boxed{4.666666666666667}</answer>", gold) == 0.0      # a float from the tool
+    assert reward(r"<answer>\boxed{4.666666666666667}</answer>", gold) == 1.0      # a float from the tool
+    assert reward(r"<answer>\boxed{4.6667}</answer>", gold) == 0.0                  # ... rounded by hand
     assert reward(r"\boxed{\frac{14}{3}} <answer>14/3</answer>", gold) == 0.0        # box outside <answer>
     assert reward("the answer is 14/3", gold) == 0.0                                 # no answer at all
     assert reward(r"<answer>\boxed{033}</answer>", "33") == 1.0

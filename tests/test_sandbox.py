@@ -5,8 +5,10 @@ synchronous trainer uses it (the pool must not be bound to one event loop).
 """
 import asyncio
 import glob
+import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -17,6 +19,7 @@ import pytest
 import sandbox
 from sandbox import ExecResult, SandboxPool, format_tool_response
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 1.5  # per-call limit for the hostile inputs
 MARGIN = 4.0  # what a call may take beyond its limit, end to end, on a busy 2-core machine (a limit, not a target)
 SECRET = "rstar2-sandbox-test-secret-4242"
@@ -172,8 +175,9 @@ def test_code_runs_unprivileged_with_a_clean_environment(pool):
                   "print(open('/proc/self/status').read())")
     assert r.status == "ok", r
     uid, euid, gid = map(int, r.stdout.splitlines()[0].split())
-    assert uid != 0 and euid != 0 and gid != 0
-    assert uid in pool_uids(pool)
+    if IS_ROOT:  # a uid of the worker's own; an ordinary user's user namespace maps its one uid to 0 instead
+        assert uid != 0 and euid != 0 and gid != 0
+        assert uid in pool_uids(pool)
     assert "CapEff:\t0000000000000000" in r.stdout
     assert SECRET not in r.stdout
     assert eval(r.stdout.splitlines()[1]) == sorted(sandbox.SANDBOX_ENV)
@@ -256,15 +260,17 @@ def test_interpreter_is_the_parents_and_can_import_beyond_the_preloads(pool):
                   "import subprocess\nprint(subprocess.run([sys.executable, '-c', 'import sympy; print(sympy.pi)'],"
                   " capture_output=True, text=True).stdout)", timeout_s=20)
     assert r.status == "ok", r
-    assert r.stdout.split() == [sys.executable, "pi"]
+    in_tmp = sys.executable.startswith("/tmp/")  # an interpreter under /tmp is seen under TMP_STASH (remapped)
+    assert r.stdout.split() == [sandbox.TMP_STASH * in_tmp + sys.executable, "pi"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Behaviour of ordinary calls
 
 
-def test_an_interpreter_under_tmp_stays_visible_behind_each_calls_private_tmp(tmp_path):
-    # a checkout or virtual environment under /tmp: every call mounts a fresh /tmp, which must not hide it
+def test_an_interpreter_under_tmp_stays_usable_and_out_of_sight_of_each_calls_private_tmp(tmp_path):
+    # a clone or virtual environment under /tmp: every call mounts a fresh /tmp, which must neither hide it nor
+    # show it (the call's working directory starts empty)
     import subprocess
     import sysconfig
 
@@ -284,12 +290,18 @@ def test_an_interpreter_under_tmp_stays_visible_behind_each_calls_private_tmp(tm
               "        r = await pool.run('open(probe_under_tmp_path, \"w\")'.replace('probe_under_tmp_path', "
               "repr(probe_path)))\n"
               "        print(r.status)\n"
+              "        r = await pool.run('import os, subprocess, sys\\n'\n"
+              "                           'print(os.listdir(\".\"), os.listdir(\"/tmp\"))\\n'\n"
+              "                           'print(subprocess.run([sys.executable, \"-c\", \"import probe_under_tmp; '\n"
+              "                           'print(probe_under_tmp.X)\"], capture_output=True, text=True).stdout)')\n"
+              "        print(r.stdout.strip().replace(chr(10), ' '), r.stderr.strip()[-200:])\n"
               "probe_path = %r\n"
               "asyncio.run(main())\n") % str(site / "probe_under_tmp.py")
     out = subprocess.run([str(venv / "bin" / "python"), "-c", script], capture_output=True, text=True, timeout=120)
     lines = out.stdout.splitlines()
     assert lines[:2] == ["ok 42 ", "ok 42 "], out.stdout + out.stderr
     assert lines[2] == "error"                       # ... read-only: the call cannot change it
+    assert lines[3] == "[] [] 42 ", out.stdout        # out of sight, and a subprocess of sys.executable works
     assert (site / "probe_under_tmp.py").read_text() == "X = 41 + 1\n"
 
 
@@ -419,6 +431,129 @@ def test_parent_memory_stays_flat(pool):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Failing closed: under a runtime that refuses unshare(2) (Docker's default seccomp profile, simulated by a real
+# seccomp filter in tests/refuse_unshare.py) the pool refuses to start unless weaker isolation is accepted
+
+
+def run_refusing_unshare(script: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tests", "refuse_unshare.py"), sys.executable, "-c",
+                           f"import sys; sys.path.insert(0, {ROOT!r})\n" + script], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, **(env or {})})
+
+
+POOL_UNDER_TEST = """
+import asyncio, json, sandbox
+async def main():
+    try:
+        async with sandbox.SandboxPool(workers=1, timeout_s=5, preload=()) as pool:
+            r = await pool.run("import os\\nprint(6 * 7, open('/proc/self/oom_score_adj').read().strip())")
+            print(json.dumps({"mode": pool.mode, "missing": pool.isolation["missing"], "stdout": r.stdout}))
+    except sandbox.SandboxUnavailable as e:
+        print(json.dumps({"refused": str(e)}))
+asyncio.run(main())
+"""
+
+
+def test_pool_refuses_to_start_when_unshare_is_refused():
+    r = run_refusing_unshare(POOL_UNDER_TEST)
+    assert r.returncode == 0, r.stderr
+    refused = json.loads(r.stdout.splitlines()[-1])["refused"]
+    for words in ("network namespace", "private read-only file system view", "PID namespace",
+                  "Operation not permitted", "--sandbox-isolation none", "isolation='none'",
+                  "RSTAR2_SANDBOX_ISOLATION=none", "seccomp"):
+        assert words in refused, (words, refused)
+    assert "weaker isolation" not in r.stderr  # no fallback: nothing ran
+
+
+def test_refused_unshare_with_isolation_none_accepted_runs_warned_and_bounded():
+    r = run_refusing_unshare(POOL_UNDER_TEST, env={"RSTAR2_SANDBOX_ISOLATION": "none"})
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.splitlines()[-1])
+    assert report["mode"] == "none" and report["stdout"] == "42 1000\n"
+    assert any("network namespace" in m for m in report["missing"])
+    assert "RuntimeWarning: sandbox: running with weaker isolation (isolation='none')" in r.stderr
+
+
+def test_unknown_isolation_mode_is_an_error():
+    with pytest.raises(ValueError, match="isolation must be one of auto, none, userns"):
+        SandboxPool(isolation="off")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every call bounded in every isolation mode: processes, memory (its processes, /tmp and memfds together where a
+# cgroup can be made), and the OOM killer's choice. The trainer (this process) must be untouched.
+
+MODES = [(mode, cgroup) for mode in ("auto", "userns", "none") for cgroup in (True, False)
+         if mode != "userns" or IS_ROOT]  # (an ordinary user's "auto" is the user-namespace mode)
+COUNT_FORKS = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+               "            time.sleep(60)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n"
+               "    print(n, e.errno)")
+FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+MEMORY_IN_PROCESSES = ("import os\nkids = []\nfor i in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+                       "        block = b'x' * (160 << 20)\n        import time; time.sleep(0.5)\n        os._exit(0)\n"
+                       "    kids.append(pid)\nprint([os.waitpid(p, 0)[1] for p in kids])")
+TMP_THEN_MEMORY = ("import tempfile\nfor i in range(4):\n"
+                   "    open(f'{tempfile.gettempdir()}/fill{i}', 'wb').write(b'x' * (50 << 20))\n"
+                   "block = b'y' * (250 << 20)\nprint('survived', tempfile.gettempdir())")
+
+
+def trainer_state() -> tuple[int, int]:
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["VmRSS"].split()[0]), int(fields["Threads"])
+
+
+def expected_process_bound(pool) -> int:
+    """What bounds a call's children here: a cgroup or RLIMIT_NPROC (max_processes), else pid_max (its tasks)."""
+    if pool.isolation.get("cgroup") or sandbox.process_limit(pool.config.__dict__, pool.isolation) is not None:
+        return pool.config.max_processes
+    assert pool.isolation.get("pid_max"), pool.isolation  # root forcing a user namespace without a cgroup
+    return pool.isolation.get("pid_max") - 1
+
+
+@pytest.mark.parametrize("mode,cgroup", MODES, ids=[f"{m}-{'cgroup' if c else 'no-cgroup'}" for m, c in MODES])
+def test_fork_and_memory_bombs_are_bounded_in_every_mode_and_the_trainer_is_untouched(mode, cgroup):
+    pool = SandboxPool(workers=1, timeout_s=4.0, memory_mb=384, preload=(), isolation=mode, cgroup=cgroup,
+                       max_processes=16)
+    rss_before, threads_before = trainer_state()
+    cgroups = []
+
+    async def session():
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            await pool.start()
+        cgroups.extend(d for paths in pool._cgroups.values() for d in paths["dirs"])
+        try:
+            counted = await pool.run(COUNT_FORKS, timeout_s=60)  # up to 300 forks on a busy machine
+            bomb = await pool.run(FORK_BOMB, timeout_s=1.0)
+            return [counted, bomb] + [await pool.run(code) for code in (MEMORY_IN_PROCESSES, TMP_THEN_MEMORY,
+                                                                         "print(open('/proc/self/oom_score_adj').read())")]
+        finally:
+            await pool.close()
+
+    counted, bomb, memory, tmp_memory, oom_adj = asyncio.run(session())
+    children = int(counted.stdout.split()[0])
+    assert 1 <= children <= expected_process_bound(pool), (counted, pool.isolation)
+    assert bomb.status == "timeout"
+    assert oom_adj.stdout == "1000\n\n"
+    statuses = eval(memory.stdout)
+    if pool.isolation.get("cgroup"):  # 4 x 160 MB of touched memory against a 384 MB budget: the kernel kills some
+        assert sum(os.WIFSIGNALED(s) and os.WTERMSIG(s) == 9 for s in statuses) >= 1, memory
+    else:  # no aggregate bound: each process stays under its RLIMIT_AS, and the warning said so
+        assert statuses == [0, 0, 0, 0], memory
+        assert any("cgroup memory limit" in m for m in pool.isolation["missing"])
+    if pool.isolation.get("cgroup") and pool.isolation["filesystem"]:
+        assert tmp_memory.status == "memory", tmp_memory  # the private /tmp's 200 MB count toward the 384 MB
+    else:  # no cgroup, or no private /tmp (isolation "none": TMPDIR is the call's scratch directory on disk)
+        assert tmp_memory.stdout.startswith("survived"), tmp_memory
+    rss_after, threads_after = trainer_state()
+    assert rss_after - rss_before < 64 << 10 and threads_after <= threads_before + 1  # kB; this process untouched
+    assert subprocess.run(["true"]).returncode == 0  # ... and can still start processes
+    assert bool(cgroups) == bool(pool.isolation.get("cgroup")) and not any(map(os.path.exists, cgroups))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Degraded modes: weaker isolation is announced, never silent
 
 
@@ -484,3 +619,27 @@ def test_session_keeps_state_and_rolls_back_failed_calls(pool):
     assert add_y.status == "ok" and both.stdout == "5 6 ada\n"  # x = 100 was rolled back
     assert other.status == "error" and "NameError" in other.stderr  # sessions are separate
     assert stateless.status == "error"  # and the plain tool stays stateless
+
+
+def test_worker_cgroup_v2_is_a_sibling_of_ours_with_memory_and_pids_limits(tmp_path, monkeypatch):
+    """The cgroup v2 path on a stand-in hierarchy (this test machine may only have v1 controllers): where the
+    directory goes, which controllers are switched on, which limits are written."""
+    parent = tmp_path / "user.slice" / "app.slice"
+    (parent / "term.scope").mkdir(parents=True)
+    (parent / "cgroup.subtree_control").write_text("memory\n")  # pids not yet enabled for the children
+    monkeypatch.setattr(sandbox, "own_cgroups", lambda: {"": "/user.slice/app.slice/term.scope"})
+    monkeypatch.setattr(sandbox, "cgroup_mounts", lambda: {"": (str(tmp_path), "/")})
+    paths, why = sandbox.make_worker_cgroup("rstar2-sandbox-test", 123 << 20, 66)
+    d = parent / "rstar2-sandbox-test"
+    assert why == "" and paths["version"] == 2 and paths["dirs"] == [str(d)]
+    assert (parent / "cgroup.subtree_control").read_text() == "+pids"
+    assert (d / "memory.max").read_text() == str(123 << 20) and (d / "pids.max").read_text() == "66"
+    assert paths["procs"] == [str(d / "cgroup.procs")] and paths["events"] == str(d / "memory.events")
+    # a hierarchy mounted from a sub-tree (a container's view): paths are taken relative to the mount's root
+    monkeypatch.setattr(sandbox, "cgroup_mounts", lambda: {"": (str(tmp_path / "user.slice"), "/user.slice")})
+    paths, why = sandbox.make_worker_cgroup("rstar2-sandbox-test-2", 1 << 30, 66)
+    assert paths["dirs"] == [str(parent / "rstar2-sandbox-test-2")], why
+    # nothing writable: no cgroup, and the reason
+    monkeypatch.setattr(sandbox, "cgroup_mounts", lambda: {"": (str(tmp_path / "absent"), "/")})
+    paths, why = sandbox.make_worker_cgroup("rstar2-sandbox-test-3", 1 << 30, 66)
+    assert paths is None and why.startswith("cgroup v2 at ")

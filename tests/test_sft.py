@@ -1,8 +1,12 @@
-"""Tests for sft.py: the data follows the RL protocol with real sandbox outputs, is varied, trains on model tokens
-only, the shared-prefix loss is exact, and run_sft trains, stops early and saves a loadable checkpoint."""
+"""Tests for sft.py, sft_data.py and chores.py: the data follows the RL protocol with real sandbox outputs, is
+varied, trains on model tokens only, the shared-prefix loss is exact, and run_sft trains, stops early and
+saves a loadable checkpoint."""
 import asyncio
+import dataclasses
 import json
 import re
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +15,8 @@ import torch
 import eval as grader
 import model as models
 import sft
+import sft_data
+from chores import CHORES, chore_programs
 from sandbox import SandboxPool
 from scheduler import IM_END, TOOL_NAME, Trajectory, parse_tool_call, render_prompt
 
@@ -105,17 +111,17 @@ def run_here(code: str, stdin: str = "") -> str:
 def test_naming_the_result_keeps_what_every_chore_program_prints():
     """`print(f(g(x)))` -> `result = f(g(x))` + `print(result)` (fewer parentheses to close on one line), and
     every chore's every program, named or not, still prints the chore's answer."""
-    assert sft.name_the_result("s = 'ab'\nprint(', '.join(sorted(s)))") == \
+    assert sft_data.name_the_result("s = 'ab'\nprint(', '.join(sorted(s)))") == \
         "s = 'ab'\nresult = ', '.join(sorted(s))\nprint(result)"
-    assert sft.name_the_result("result = 2\nprint(abs(result))").endswith("answer = abs(result)\nprint(answer)")
+    assert sft_data.name_the_result("result = 2\nprint(abs(result))").endswith("answer = abs(result)\nprint(answer)")
     for unchanged in ("x = 3\nprint(x)", "print(5)", "print(1, 2)", "print('a', end='')", "for i in range(2):\n    print(i)"):
-        assert sft.name_the_result(unchanged) == unchanged
+        assert sft_data.name_the_result(unchanged) == unchanged
     import random
-    for chore_fn in sft.CHORES:
+    for chore_fn in CHORES:
         for seed in range(5):
             chore = chore_fn(random.Random(seed))
-            for code, stdin in sft.chore_programs(chore):
-                named = sft.name_the_result(code)
+            for code, stdin in chore_programs(chore):
+                named = sft_data.name_the_result(code)
                 assert run_here(named, stdin).strip() == run_here(code, stdin).strip() == chore.answer, named
 
 
@@ -307,3 +313,105 @@ def test_chat_jsonl_malformed_line_names_its_line(tokenizer, tmp_path, bad, why)
     path.write_text(f"{good}\n\n{bad}\n")
     with pytest.raises(ValueError, match=rf"chats\.jsonl:3: .*{why}"):
         sft.load_chat_jsonl(path, tokenizer)
+
+
+# ---- a killed SFT continues from its latest checkpoint
+
+
+def interrupt_step(monkeypatch, k: int):
+    """Ctrl-C during the k-th optimizer step (1-based): KeyboardInterrupt from inside its gradient computation,
+    as a person pressing Ctrl-C mid-step raises it. Returns a function that takes the interruption away."""
+    real, calls = sft.accumulate_gradients, []
+
+    def interrupted(*args, **kw):
+        calls.append(1)
+        if len(calls) == k:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sft, "accumulate_gradients", interrupted)
+    return lambda: monkeypatch.setattr(sft, "accumulate_gradients", real)
+
+
+def test_killed_sft_resumes_to_the_same_weights_and_losses(tokenizer, tmp_path, monkeypatch):
+    """Killed in step 4 of 5 (checkpoints after steps 2 and 4), then run again: it continues from step 2 and
+    ends with exactly the weights, training losses and held-out losses of a run that was never interrupted."""
+    cfg = sft.SFTConfig(n_examples=10, heldout_examples=2, batch_size=2, lr=3e-3, warmup_steps=1, eval_every=2,
+                        patience=10, save_every=2, bf16=False)   # fp32: exact on a CPU
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    restore = interrupt_step(monkeypatch, 4)
+    with pytest.raises(KeyboardInterrupt):
+        sft.run_sft(models.tiny_model(tokenizer, seed=0), tokenizer, cfg, killed / "model", run_dir=killed)
+    restore()
+    assert not (killed / "model").exists()
+    # the reference, uninterrupted, on the same data: two builds differ in the execution times the sandbox
+    # reports inside the tool responses, so the killed run's saved data is what both train on
+    whole.mkdir()
+    shutil.copy(killed / "sft_data.pt", whole / "sft_data.pt")
+    ref_model = models.tiny_model(tokenizer, seed=0)
+    ref = sft.run_sft(ref_model, tokenizer, cfg, whole / "model", run_dir=whole)
+    assert ref["steps"] == 5 and len(ref["heldout_losses"]) == 4    # step 0, 2, 4 and the last
+
+    logs = []
+    resumed = models.tiny_model(tokenizer, seed=5)  # other initial weights: the checkpoint's must replace them
+    got = sft.run_sft(resumed, tokenizer, cfg, killed / "model", run_dir=killed, log=logs.append)
+    assert any("continuing from step 2 of 5" in line for line in logs), logs
+    assert got["losses"] == ref["losses"] and got["heldout_losses"] == ref["heldout_losses"]
+    assert got["final_loss"] == ref["final_loss"] and got["steps"] == 5
+    for (name, a), b in zip(ref_model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    for a, b in zip(ref_model.state_dict().values(), models.load_model(killed / "model").state_dict().values()):
+        assert torch.equal(a, b)
+    assert sorted(p.name for p in killed.iterdir()) == ["model"]   # checkpoints and data go once the model is saved
+
+
+def test_resuming_with_other_settings_is_refused(tokenizer, tmp_path, monkeypatch):
+    cfg = sft.SFTConfig(n_examples=8, heldout_examples=0, batch_size=2, save_every=1, bf16=False)
+    restore = interrupt_step(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        sft.run_sft(models.tiny_model(tokenizer), tokenizer, cfg, tmp_path / "model", run_dir=tmp_path)
+    restore()
+    with pytest.raises(sft.ResumeMismatch, match=r"lr: 0.0002 -> 0.001"):
+        sft.run_sft(models.tiny_model(tokenizer), tokenizer, dataclasses.replace(cfg, lr=1e-3), tmp_path / "model",
+                    run_dir=tmp_path)
+
+
+def test_ctrl_c_in_the_recipes_sft_then_a_plain_rerun_continues_it(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """`rstar2_mini.py --stage sft` interrupted in its 6th step exits 130 and names the command that continues
+    it; the same command run again continues the SFT from its checkpoint (step 5) instead of step 0."""
+    import rstar2_mini as R
+
+    args = ["--stage", "sft", "--model", str(tiny_model_dir), "--out", str(tmp_path / "run"),
+            "--set", "sft_examples=12", "--set", "sft_batch=2"]   # 6 steps: a checkpoint after each of 1-5
+    restore = interrupt_step(monkeypatch, 6)
+    assert R.main(args) == 130
+    restore()
+    err = capsys.readouterr().err
+    assert "--resume" in err and "--stage sft" in err and str(tmp_path / "run") in err, err
+    assert R.main(args + ["--set", "sft_lr=1e-3"]) == 2                   # other settings: refused, nothing lost
+    assert "(sft_lr: 0.0002 -> 0.001)" in capsys.readouterr().err
+    assert R.main(args) == 0
+    out = capsys.readouterr().out
+    assert "continuing from step 5 of 6" in out, out
+    metrics = json.loads((tmp_path / "run" / "sft" / "metrics.json").read_text())
+    assert metrics["steps"] == len(metrics["losses"]) == 6 and metrics["resumed_at_step"] == 5
+    models.load_model(tmp_path / "run" / "sft" / "model")
+
+
+@pytest.mark.parametrize("entry", ["rstar2_mini", "sft"])
+def test_openmp_threads_wait_passively_in_the_entry_points(entry):
+    """Importing an entry point sets OMP_WAIT_POLICY=PASSIVE before anything loads torch (whose OpenMP runtime
+    reads it once, when it loads), and keeps a value the person set."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"import os, sys; import {entry}; assert 'torch' not in sys.modules; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    root = str(Path(__file__).resolve().parent.parent)
+    run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, cwd=root, capture_output=True,  # noqa: E731
+                                   text=True, timeout=120)
+    done = run(env)
+    assert done.returncode == 0 and done.stdout.strip() == "PASSIVE", done.stderr[-2000:]
+    done = run({**env, "OMP_WAIT_POLICY": "ACTIVE"})
+    assert done.returncode == 0 and done.stdout.strip() == "ACTIVE", done.stderr[-2000:]

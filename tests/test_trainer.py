@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -595,3 +596,36 @@ def test_vllm_starts_without_torchruns_variables(monkeypatch):
         assert not {"RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(os.environ)
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"  # not torchrun's: kept
     assert os.environ["RANK"] == "3" and os.environ["MASTER_PORT"] == "29500"  # restored for our own collectives
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The sandbox fails closed: where unshare(2) is refused (Docker's default seccomp profile, simulated by a real
+# seccomp filter) a run refuses to start, and `--sandbox-isolation none` runs it, warned and recorded.
+
+def cli_refusing_unshare(*args):
+    return subprocess.run([sys.executable, str(ROOT / "tests" / "refuse_unshare.py"), sys.executable,
+                           str(ROOT / "rstar2_mini.py"), *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_cli_refuses_to_run_when_the_sandbox_cannot_isolate(tmp_path, tiny_model_dir):
+    r = cli_refusing_unshare("--stage", "1", "--model", str(tiny_model_dir), "--out", str(tmp_path / "run"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "cannot isolate model-written code" in r.stderr and "--sandbox-isolation none" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_with_sandbox_isolation_none_warns_and_records_the_mode(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    shutil.copytree(tiny_model_dir, out / "sft" / "model")  # an SFT checkpoint: stage 1 starts from it
+    sets = ["groups_per_step=1", "group_size=2", "max_turns=1", "max_response_tokens=16", "eval_problems=0",
+            "draw_problems=1", "minibatches=1", "drop_all_equal=false", "engine_batch=4"]
+    r = cli_refusing_unshare("--stage", "1", "--model", str(tiny_model_dir), "--out", str(out), "--steps", "1",
+                             "--sandbox-isolation", "none", *[x for s in sets for x in ("--set", s)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "WARNING: sandbox isolation none: missing network namespace" in r.stdout
+    assert "| WARNING sandbox isolation none" in r.stdout                          # on every step's line too
+    assert json.loads((out / "stage1" / "config.json").read_text())["sandbox_isolation"] == "none"
+    rows = [json.loads(x) for x in (out / "stage1" / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all(row["sandbox_isolation"] == "none" for row in rows)
+    assert R.parse_args(["--set", "sandbox_isolation=none"]).sandbox_isolation == "none"
+    assert R.parse_args([]).sandbox_isolation == "auto"
