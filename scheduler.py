@@ -43,6 +43,8 @@ Modules (imports flow one way: protocol <- engines <- vllm_engine <- scheduler):
     vllm_engine.py  VLLMEngine and its weight loader, placement, shutdown (vLLM imported only when used)
     scheduler.py    (this file) tool-call parsing and running, RolloutConfig, the Scheduler, the rollout loop,
                     sync_weights; it re-exports the names above, so `scheduler.X` works for all of them.
+parse_tool_call stays here beside run_tool: together they are the tool call's handling (and one exercise of
+classroom.py).
 """
 from __future__ import annotations
 
