@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import scheduler as S
+import vllm_engine
 
 
 def test_finish_reason_comes_from_stop_reason():
@@ -89,7 +90,7 @@ def handles(llm, tie=True, n=2):
 
 
 def test_weight_sync_sends_each_tensor_once_in_the_engine_dtype_and_removes_the_file(monkeypatch, tmp_path):
-    monkeypatch.setattr(S, "weight_file_dir", lambda nbytes: str(tmp_path))
+    monkeypatch.setattr(vllm_engine, "weight_file_dir", lambda nbytes: str(tmp_path))
     llm = FakeLLM()
     engines = handles(llm)
     state = {"model.embed_tokens.weight": torch.randn(5, 3), "lm_head.weight": torch.randn(5, 3),
@@ -103,7 +104,7 @@ def test_weight_sync_sends_each_tensor_once_in_the_engine_dtype_and_removes_the_
 
 
 def test_weight_sync_checks_the_prefix_cache_reset_and_idle_engines(monkeypatch, tmp_path):
-    monkeypatch.setattr(S, "weight_file_dir", lambda nbytes: str(tmp_path))
+    monkeypatch.setattr(vllm_engine, "weight_file_dir", lambda nbytes: str(tmp_path))
     with pytest.raises(RuntimeError, match="prefix cache"):
         S.sync_weights(handles(FakeLLM(reset=False)), {"w": torch.ones(2)})
     with pytest.raises(RuntimeError, match="still running"):

@@ -1,0 +1,627 @@
+"""engines.py - the in-process inference engines behind the rollout scheduler (paper section 3.2, engines).
+
+Data flow: scheduler.py's Scheduler places a GenRequest (context ids, budget, sampling seed) on an engine with
+engine.submit(req); the engine generates one turn (or one chunk of it) and resolves the future with a GenResult
+(token ids, their log-probs under log_softmax(logits / T), why it stopped: "eos" | "tool" | "length"), which
+rollout_one appends to the Trajectory (protocol.py). Engines never import the scheduler.
+
+  * TransformersEngine: continuous batching on a Hugging Face model in a hand-written decode loop (CPU,
+    single-GPU debugging), with the KV-cache helpers it needs (shared_prompt_prefix ... trim_padding);
+  * SimulatedEngine + virtual_time_loop: a cost model of a GPU engine in virtual time, for
+    bench/bench_scheduler.py and the scheduler tests only;
+  * VLLMEngine (one per GPU) lives in vllm_engine.py, which needs vLLM.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from dataclasses import dataclass, field
+
+from model import release_freed_memory
+from protocol import TOOL_CALL_CLOSE, render_prompt
+
+# ----------------------------------------------------------------------------------------------------------
+# Inference engines: one small duck-typed interface shared by TransformersEngine (CPU, single-GPU debug),
+# VLLMEngine (one per GPU, vllm_engine.py) and SimulatedEngine (benchmarks and scheduler tests). No base class:
+#
+#   engine.capacity_tokens      KV budget in tokens
+#   engine.free_tokens()        capacity minus the sum over the requests it holds of prompt + max_new
+#                               (what those requests may still need); negative only when a baseline router
+#                               overfills it - ours never does
+#   engine.num_requests()       requests it holds (generating or queued inside it)
+#   engine.submit(req)          -> asyncio.Future[GenResult]; reserves req.need tokens at once (synchronously,
+#                               so the scheduler's accounting is exact), releases them when the request is
+#                               done, just before the future resolves. Called on the running event loop.
+#   engine.load_weights(w)      weight sync from the trainer (a state dict or a model), in place
+#   engine.worker               its background asyncio task, or None; awaited at the end of a step, so that
+#                               nothing of the engine still runs when the caller's loop stops
+#
+# Every engine stops a request at end of turn (eos, kept in the output), when the decoded text of the new
+# tokens contains "</tool_call>", or after max_new_tokens; and returns the log-probs of the sampled tokens
+# under log_softmax(logits / temperature), which is what the trainer computes for the same tokens.
+
+
+@dataclass
+class GenRequest:
+    ids: list[int]               # the whole context: prompt + every segment so far (never re-tokenized)
+    max_new_tokens: int          # the trajectory's remaining length budget
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0                # this request's own sampling seed, see request_seed()
+    key: tuple = ()              # (problem index, sample index, turn)
+    stop_text: str = TOOL_CALL_CLOSE
+    turn_offset: int = 0         # tokens of this turn written by earlier requests (a turn split into chunks)
+
+    @property
+    def need(self) -> int:
+        """KV tokens this request may occupy at its end: its context plus everything it may generate."""
+        return len(self.ids) + self.max_new_tokens
+
+
+@dataclass
+class GenResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish: str                  # "eos" (end of turn) | "tool" (stopped at </tool_call>) | "length"
+
+
+def request_seed(seed: int, problem_index: int, sample_index: int, turn: int, chunk: int = 0) -> int:
+    """A sampling seed for one request, so that its tokens do not depend on which other requests share its
+    batch, and a resumed run samples exactly what the original run did."""
+    text = f"{seed}:{problem_index}:{sample_index}:{turn}" + (f":{chunk}" if chunk else "")
+    digest = hashlib.sha256(text.encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # 63 bits: torch.Generator.manual_seed takes it
+
+
+def eos_token_ids(tokenizer, model=None) -> set[int]:
+    """End-of-turn tokens: the tokenizer's eos (<|im_end|> for ChatML models) and the model's generation eos."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+    return {i for i in ids if i is not None}
+
+
+def sample_rows(logits, temperatures, top_ps, generators):
+    """Sample one token per row, each row with its own generator. Returns (tokens, logprobs) as lists.
+
+    logp = log_softmax(logits / T) is the log-probability the trainer computes for the same token (the
+    importance ratio's denominator); top-p only narrows the set the token is drawn from (nucleus sampling),
+    as vLLM does; with top_p = 1 the two distributions are the same. T <= 0 means greedy."""
+    import torch
+
+    temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=logits.dtype, device=logits.device)
+    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    tokens = []
+    for row, (t, p, gen) in enumerate(zip(temperatures, top_ps, generators)):
+        if t <= 0:
+            tok = int(torch.argmax(logp[row]))
+        elif p >= 1.0:
+            tok = int(torch.multinomial(logp[row].exp(), 1, generator=gen))
+        else:  # nucleus: the smallest set of most likely tokens whose mass reaches p
+            probs, order = torch.sort(logp[row].exp(), descending=True)
+            keep = (torch.cumsum(probs, 0) - probs) < p  # always keeps the most likely token
+            tok = int(order[torch.multinomial(probs * keep, 1, generator=gen)])
+        tokens.append(tok)
+    lps = logp[torch.arange(len(tokens), device=logp.device), torch.tensor(tokens, device=logp.device)]
+    return tokens, lps.tolist()
+
+
+def finish_reason(tokenizer, new_ids: list[int], req: GenRequest, eos_ids: set[int]) -> str | None:
+    """Why generation of this request stops after its latest token, or None to go on."""
+    if new_ids[-1] in eos_ids:
+        return "eos"
+    tail = tokenizer.decode(new_ids[-len(req.stop_text):], skip_special_tokens=False,
+                            clean_up_tokenization_spaces=False)  # every token holds at least one character
+    if req.stop_text in tail:
+        return "tool"
+    if len(new_ids) >= req.max_new_tokens:
+        return "length"
+    return None
+
+
+class TransformersEngine:
+    """In-process engine on a Hugging Face causal LM: continuous batching in a hand-written decode loop, with
+    the shared system prompt computed once.
+
+    One decode thread runs the batch. Before every decode step it admits waiting requests into free batch rows
+    (up to max_batch): their contexts are prefilled together and their KV merged into the running batch. A row
+    leaves the batch the moment it stops, and its future resolves then, so its tool call starts while the others
+    keep decoding; the tool's continuation joins the running batch a few steps later (no waves, no waiting for
+    the slowest row). Every row samples with its request's own generator, so its tokens do not depend on which
+    other requests share the batch.
+
+    Two things make it fast on a CPU, measured in bench/bench_rollout.py:
+      * the shared prefix: every prompt starts with the same ~450-token system prompt and tool schema. Its KV
+        is computed once per weight version and copied into each new row; only the rest of the context is
+        prefilled (that prefill used to cost more than all the decoding);
+      * a KV buffer with room to grow (growing_kv_layer), instead of transformers' DynamicCache which copies
+        the whole cache at every step.
+
+    KV layout of the batch, one column per cached token (all rows append the next token in the same column):
+
+        column:  0 .. P-1          P ......... start[b]-1   start[b] ........... L-1
+        row b:   shared prefix     padding (masked)         the row's own tokens (rest of prompt, output)
+
+    A row whose context does not start with the shared prefix masks the prefix columns too and keeps its whole
+    context in its own tokens. Positions count real tokens only, so each row sees the positions of a plain
+    forward of its own context. The decode runs in a worker thread, so the event loop keeps serving tool
+    results meanwhile."""
+
+    def __init__(self, model, tokenizer, max_batch: int = 16, kv_capacity_tokens: int = 65536,
+                 device: str = "cpu", share_prefix: bool = True):
+        import inspect
+
+        self.model = model.to(device)
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.capacity_tokens = kv_capacity_tokens
+        self.device = device
+        self.eos_ids = eos_token_ids(tokenizer, model)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        # transformers 5 renamed forward(past_key_values=) to forward(cache=)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.prefix_ids = shared_prompt_prefix(tokenizer) if share_prefix else []
+        self._prefix_kv = None            # [(keys, values)] per layer of prefix_ids, for the current weights
+        self._queue: list[tuple[GenRequest, asyncio.Future]] = []
+        self._lock = threading.Lock()     # guards _queue and _looping between the event loop and the decode thread
+        self._looping = False             # whether a decode loop is running (or about to)
+        self._in_flight: list = []        # items of the rows in the running batch (failed if the loop raises)
+        self._reserved = 0
+        self._held = 0
+        self.worker: asyncio.Task | None = None
+        self._weights_lock = threading.Lock()  # a weight sync waits for the running decode loop
+        self.tokens_generated = 0
+        self.waves = 0                    # admissions: prefill batches merged into the running batch
+        self.prefill_tokens = 0           # tokens prefilled (the shared prefix excluded)
+
+    # -- the engine interface ------------------------------------------------------------------------------
+    def free_tokens(self) -> int:
+        return self.capacity_tokens - self._reserved
+
+    def num_requests(self) -> int:
+        return self._held
+
+    def submit(self, req: GenRequest) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._reserved += req.need
+        self._held += 1
+        with self._lock:
+            self._queue.append((req, fut))
+            start, self._looping = not self._looping, True
+        if start:
+            self.worker = loop.create_task(self._serve())
+        return fut
+
+    def load_weights(self, weights) -> None:
+        """Copy new weights into the engine's model in place (no re-allocation). `weights` is a state dict or
+        a model; when it is the engine's own model (the CPU trainer may share it) there is nothing to copy.
+        Either way the cached KV of the shared prefix belongs to the old weights and is dropped."""
+        import torch
+
+        with self._weights_lock:
+            self._prefix_kv = None
+            if weights is self.model:
+                return
+            state = weights.state_dict() if hasattr(weights, "state_dict") else weights
+            state = {k.removeprefix("module."): v for k, v in state.items()}  # DDP / accelerate wrappers
+            with torch.no_grad():
+                self.model.load_state_dict(state, strict=True)  # copy_() into the existing tensors
+
+    # -- the asyncio side ----------------------------------------------------------------------------------
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def take(n: int, idle: bool):  # called from the decode thread
+            with self._lock:
+                items, self._queue = self._queue[:n], self._queue[n:]
+                if not items and idle:
+                    self._looping = False  # a later submit() starts a new loop
+                    return None
+            return items
+
+        def on_finish(item, result: GenResult) -> None:  # called from the decode thread
+            loop.call_soon_threadsafe(self._finish, item, result, None)
+
+        try:
+            await loop.run_in_executor(None, self.decode_loop, take, on_finish)
+        except Exception as e:  # fail every request not yet answered; their trajectories end with "error"
+            with self._lock:
+                queued, self._queue, self._looping = self._queue, [], False
+            for item in self._in_flight + queued:
+                self._finish(item, None, e)
+
+    def _finish(self, item, result: GenResult | None, error: BaseException | None) -> None:
+        req, fut = item
+        if fut.done():
+            return
+        self._reserved -= req.need  # capacity is released before the scheduler hears of it
+        self._held -= 1
+        if error is None:
+            self.tokens_generated += len(result.token_ids)
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)
+
+    # -- the decode thread ---------------------------------------------------------------------------------
+    def decode_wave(self, reqs: list[GenRequest], on_finish) -> None:
+        """Decode a fixed list of requests to the end (benchmarks and tests): on_finish(i, GenResult) is
+        called for request i as soon as it stops. Rows are admitted as in the running engine."""
+        pending = [(req, i) for i, req in enumerate(reqs)]
+
+        def take(n: int, idle: bool):
+            items, pending[:] = pending[:n], pending[n:]
+            return items if items or not idle else None
+
+        self.decode_loop(take, lambda item, result: on_finish(item[1], result))
+
+    def decode_loop(self, take, on_finish) -> None:
+        """The continuous-batching loop. take(n, idle) returns up to n waiting items (request first), or None
+        when there are none and the batch is idle (the loop then ends); on_finish(item, GenResult)."""
+        import torch
+
+        rows: list[_Row] = []
+        self._in_flight = []
+        cache, logits = None, None
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self._weights_lock, torch.inference_mode():
+                while True:
+                    free = self.max_batch - len(rows)
+                    # admit when a quarter of the rows are free (fewer, costlier merges) or the batch is empty
+                    if not rows or free >= max(1, self.max_batch // 4):
+                        items = take(free, not rows)
+                        if items is None:
+                            self._in_flight = []
+                            return
+                        if items:
+                            self._in_flight = [r.item for r in rows] + items
+                            new_rows, new_cache, new_logits = self._prefill(items)
+                            cache = merge_batches(cache, rows, new_cache, new_rows, len(self.prefix_ids))
+                            release_freed_memory()  # the old batch's buffers, before they fragment the heap
+                            rows += new_rows
+                            logits = new_logits if logits is None else torch.cat([logits, new_logits])
+                    tokens, lps = sample_rows(logits, [r.req.temperature for r in rows], [r.req.top_p for r in rows],
+                                              [r.gen for r in rows])
+                    keep = []
+                    for j, row in enumerate(rows):
+                        row.new_ids.append(tokens[j])
+                        row.new_lps.append(lps[j])
+                        why = finish_reason(self.tokenizer, row.new_ids, row.req, self.eos_ids)
+                        if why is None:
+                            keep.append(j)
+                        else:
+                            on_finish(row.item, GenResult(row.new_ids, row.new_lps, why))
+                    if len(keep) < len(rows):  # drop stopped rows from the batch and its KV cache
+                        rows = [rows[j] for j in keep]
+                        self._in_flight = [r.item for r in rows]
+                        if not rows:
+                            cache, logits = None, None
+                            continue
+                        cache.batch_select_indices(torch.tensor(keep, device=self.device))
+                        cache = trim_padding(cache, rows, len(self.prefix_ids))
+                    logits = self._decode_step(rows, cache)
+        finally:
+            self.model.train(was_training)
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        return out.logits[:, -1, :].float()
+
+    def _shared_prefix_kv(self):
+        """The KV of prefix_ids under the current weights, computed once per weight version."""
+        import torch
+        from transformers import DynamicCache
+
+        if self._prefix_kv is None and self.prefix_ids:
+            cache = DynamicCache()
+            ids = torch.tensor([self.prefix_ids], device=self.device)
+            self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+            self._prefix_kv = [(layer.keys, layer.values) for layer in cache.layers]
+        return self._prefix_kv
+
+    def _prefill(self, items):
+        """Prefill new requests as one batch on top of the shared prefix: returns their rows, their cache
+        (columns: prefix, left padding, own tokens) and the logits of their next token."""
+        import torch
+
+        P = len(self.prefix_ids)
+        rows = []
+        for req, *_ in items:
+            has_prefix = P > 0 and len(req.ids) > P and req.ids[:P] == self.prefix_ids
+            own = req.ids[P:] if has_prefix else req.ids
+            rows.append(_Row(items[len(rows)], req, torch.Generator(device=self.device).manual_seed(req.seed),
+                             has_prefix, own_len=len(own), next_pos=len(req.ids)))
+        width = max(r.own_len for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            own = row.req.ids[-row.own_len:]
+            ids[b, width - row.own_len:] = torch.tensor(own)
+            first = P if row.has_prefix else 0
+            pos[b, width - row.own_len:] = torch.arange(first, first + row.own_len)
+            row.start = P + width - row.own_len
+        cache = new_cache(self._shared_prefix_kv(), len(rows), room=width + 1)
+        self.waves += 1
+        self.prefill_tokens += sum(r.own_len for r in rows)
+        logits = self._forward(ids.to(self.device), attention_mask(rows, P + width, P, self.device),
+                               pos.to(self.device), cache)
+        return rows, cache, logits
+
+    def _decode_step(self, rows, cache):
+        import torch
+
+        dev = self.device
+        step_ids = torch.tensor([[r.new_ids[-1]] for r in rows], device=dev)
+        positions = torch.tensor([[r.next_pos + len(r.new_ids) - 1] for r in rows], device=dev)
+        width = cache.get_seq_length() + 1
+        return self._forward(step_ids, attention_mask(rows, width, len(self.prefix_ids), dev), positions, cache)
+
+
+@dataclass
+class _Row:
+    """One request in TransformersEngine's running batch."""
+    item: tuple                  # what on_finish gets back: (request, future) or (request, index)
+    req: GenRequest
+    gen: object                  # the request's torch.Generator
+    has_prefix: bool             # whether its context starts with the engine's shared prefix
+    own_len: int                 # context tokens in its own columns (all of them when it has no prefix)
+    next_pos: int                # position of its first new token (= its context length)
+    start: int = 0               # first column of its own tokens
+    new_ids: list = field(default_factory=list)
+    new_lps: list = field(default_factory=list)
+
+
+def shared_prompt_prefix(tokenizer) -> list[int]:
+    """The token ids every rendered prompt starts with (system prompt, tool schema, the user turn's opening
+    instructions): the common prefix of renders that differ only in the question. Questions that start with a
+    digit, a word, a space or a symbol, because the last token before the question can merge with its first
+    character (": 1" is ":", " ", "1" but ": What" is ":", " What")."""
+    renders = [render_prompt(tokenizer, q) for q in ("1", "2", "What", "x", " y", "(", "\\", "A", "é")]
+    n = 0
+    while all(n < len(r) and r[n] == renders[0][n] for r in renders):
+        n += 1
+    return renders[0][:n]
+
+
+def attention_mask(rows, width: int, P: int, device):
+    """The 2D mask of the batch layout (see TransformersEngine): prefix columns for rows that have the prefix,
+    then every column from the row's own start on."""
+    import torch
+
+    col = torch.arange(width, device=device)[None, :]
+    has_prefix = torch.tensor([r.has_prefix for r in rows], device=device)[:, None]
+    start = torch.tensor([r.start for r in rows], device=device)[:, None]
+    return (((col < P) & has_prefix) | (col >= start)).long()
+
+
+def growing_kv_layer():
+    """A transformers cache layer whose keys and values live in a buffer with room to grow (by a quarter when
+    full), so appending a token writes one column instead of copying the whole cache (DynamicLayer concatenates
+    at every step: at 32 rows of 700 tokens that moves ~1 GB per step; measured 15-20% of a decode step).
+    Built on first use, so importing this module needs no torch."""
+    global _GrowingKVLayer
+    if _GrowingKVLayer is None:
+        from transformers.cache_utils import DynamicLayer
+
+        class GrowingKVLayer(DynamicLayer):
+            def update(self, key_states, value_states, *args, **kwargs):
+                if not self.is_initialized:
+                    self.lazy_initialization(key_states, value_states)
+                    self.set(key_states[:, :, :0], value_states[:, :, :0])
+                n, add = self.keys.shape[-2], key_states.shape[-2]
+                if n + add > self.k_buf.shape[-2]:  # grow by a quarter (at least 128 columns): bounded waste
+                    self.set(self.keys, self.values, room=max(add + n // 4, 128))
+                self.k_buf[:, :, n:n + add] = key_states
+                self.v_buf[:, :, n:n + add] = value_states
+                self.keys, self.values = self.k_buf[:, :, :n + add], self.v_buf[:, :, :n + add]
+                return self.keys, self.values
+
+            def set(self, keys, values, room: int = 64):
+                """Hold these keys and values, with room for `room` more columns."""
+                import torch
+
+                b, h, n, d = keys.shape
+                self.k_buf = keys.new_empty((b, h, n + room, d))
+                self.v_buf = torch.empty_like(self.k_buf)
+                self.k_buf[:, :, :n], self.v_buf[:, :, :n] = keys, values
+                self.keys, self.values = self.k_buf[:, :, :n], self.v_buf[:, :, :n]
+                self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
+
+            def hold(self, k_buf, v_buf, n: int):
+                """Take over these buffers (rows, heads, columns with room, dim); the first n columns are filled."""
+                self.k_buf, self.v_buf = k_buf, v_buf
+                self.keys, self.values = k_buf[:, :, :n], v_buf[:, :, :n]
+                self.device, self.dtype, self.is_initialized = k_buf.device, k_buf.dtype, True
+
+            def batch_select_indices(self, indices):  # one copy of the kept rows, room included
+                self.hold(self.k_buf[indices], self.v_buf[indices], self.keys.shape[-2])
+
+        _GrowingKVLayer = GrowingKVLayer
+    return _GrowingKVLayer
+
+
+_GrowingKVLayer = None
+
+
+def new_cache(layers_kv, batch: int | None = None, room: int = 64):
+    """A transformers cache of growing layers; layers_kv: [(keys, values)] per layer (expanded to `batch` rows
+    when given, with room for `room` more columns) or None for an empty cache."""
+    from transformers import DynamicCache
+
+    layer_class = growing_kv_layer()
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = layer_class
+    for keys, values in layers_kv or []:
+        layer = layer_class()
+        if batch is not None:
+            keys, values = keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1)
+        layer.set(keys, values, room)
+        cache.layers.append(layer)
+    return cache
+
+
+def merge_batches(cache, rows, new, new_rows, P: int):
+    """Stack the newcomers' cache under the running batch's, padding the shorter one after the prefix so both
+    end in the same column (every row appends its next token there). Written straight into one new buffer per
+    layer (with room to grow), so the batch's KV is copied once."""
+    if cache is None:
+        return new
+    width, new_width = cache.get_seq_length(), new.get_seq_length()
+    target = max(width, new_width)
+    for r in rows:
+        r.start += target - width
+    for r in new_rows:
+        r.start += target - new_width
+    merged = new_cache(None)
+    for old_layer, new_layer in zip(cache.layers, new.layers):
+        bufs = []
+        for a, b in ((old_layer.keys, new_layer.keys), (old_layer.values, new_layer.values)):
+            buf = a.new_zeros((a.shape[0] + b.shape[0], a.shape[1], target + 128, a.shape[3]))
+            for rows_, x, shift in ((slice(0, a.shape[0]), a, target - width),
+                                    (slice(a.shape[0], None), b, target - new_width)):
+                buf[rows_, :, :P] = x[:, :, :P]                                  # the prefix
+                buf[rows_, :, P + shift:target] = x[:, :, P:]                    # own tokens, right-aligned
+            bufs.append(buf)
+        layer = growing_kv_layer()()
+        layer.hold(*bufs, target)
+        merged.layers.append(layer)
+    return merged
+
+
+def trim_padding(cache, rows, P: int, slack: int = 64):
+    """Drop the padding columns that every remaining row masks (left by rows that left the batch), once there
+    are at least `slack` of them: attention then runs over fewer columns. In place: the own-token columns move
+    left inside the existing buffers."""
+    waste = min(r.start for r in rows) - P
+    if waste < slack:
+        return cache
+    for r in rows:
+        r.start -= waste
+    for layer in cache.layers:
+        n = layer.keys.shape[-2]
+        for buf in (layer.k_buf, layer.v_buf):
+            buf[:, :, P:n - waste] = buf[:, :, P + waste:n].clone()
+        layer.hold(layer.k_buf, layer.v_buf, n - waste)
+    return cache
+
+
+class SimulatedEngine:
+    """A stand-in for a GPU inference engine, for bench/bench_scheduler.py and the scheduler tests ONLY.
+
+    It runs in virtual time (see virtual_time_loop) and "generates" the tokens that a script gives for each
+    request: script(req) -> (token ids of the whole turn, "eos" | "tool"); they are cut at max_new_tokens.
+    Its cost model, stated plainly:
+      * decode: every step each running sequence gains `tokens_per_step` tokens and the step lasts
+        tokens_per_step * max(n_running, saturation) / tokens_per_s: the engine reaches its full rate
+        tokens_per_s from `saturation` concurrent sequences on, and one sequence alone decodes at
+        tokens_per_s / saturation;
+      * prefill: uncached context tokens cost 1 / prefill_speedup of a decoded token; a continuation on the
+        engine that served the trajectory's previous turn finds its prefix cached (the cache is assumed to
+        survive a tool call);
+      * KV cache: running sequences occupy their current length. Like vLLM, it admits queued requests in
+        order while their context fits, and when growing sequences overflow the cache it preempts the newest
+        one, which later recomputes its whole context. `preemptions` counts these overflows."""
+
+    def __init__(self, script, capacity_tokens: int, tokens_per_s: float = 2000.0, saturation: int = 16,
+                 prefill_speedup: float = 10.0, tokens_per_step: int = 16, max_num_seqs: int = 256):
+        self.script = script
+        self.capacity_tokens = capacity_tokens
+        self.tokens_per_s, self.saturation = tokens_per_s, saturation
+        self.prefill_speedup, self.tokens_per_step, self.max_num_seqs = prefill_speedup, tokens_per_step, max_num_seqs
+        self._waiting: list[dict] = []   # requests inside the engine, not yet admitted (or preempted)
+        self._running: list[dict] = []
+        self._prefix: dict[tuple, int] = {}  # trajectory -> cached prefix length
+        self._reserved = 0
+        self.worker: asyncio.Task | None = None
+        self.tokens_generated = 0
+        self.prefill_tokens = 0
+        self.preemptions = 0
+        self.busy_s = 0.0
+        self.trace: list | None = None   # set to [] to record (time, running, waiting, KV used) at every step
+
+    def free_tokens(self) -> int:
+        return self.capacity_tokens - self._reserved
+
+    def num_requests(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    def load_weights(self, weights) -> None:  # nothing to load: the script is the model
+        pass
+
+    def submit(self, req: GenRequest) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        tokens, why = self.script(req)
+        tokens = tokens[req.turn_offset:]  # the rest of the turn, when earlier chunks wrote its beginning
+        if len(tokens) > req.max_new_tokens:  # (a stop on the last allowed token keeps its reason, as finish_reason)
+            tokens, why = tokens[:req.max_new_tokens], "length"
+        seq = {"req": req, "fut": loop.create_future(), "plan": tokens, "why": why, "done": 0, "cached": 0}
+        self._reserved += req.need
+        self._waiting.append(seq)
+        if self.worker is None or self.worker.done():
+            self.worker = loop.create_task(self._serve())
+        return seq["fut"]
+
+    def _kv_used(self) -> int:
+        return sum(len(s["req"].ids) + s["done"] for s in self._running)
+
+    async def _serve(self) -> None:
+        while self._waiting or self._running:
+            # admit in order while the contexts fit (always at least one, so nothing starves)
+            prefill = 0
+            while self._waiting and len(self._running) < self.max_num_seqs:
+                seq = self._waiting[0]
+                context = len(seq["req"].ids) + seq["done"]
+                if self._running and self._kv_used() + context > self.capacity_tokens:
+                    break
+                self._waiting.pop(0)
+                cached = self._prefix.pop(seq["req"].key[:2], 0) if seq["done"] == 0 else 0
+                prefill += context - min(cached, context)
+                self._running.append(seq)
+            n = len(self._running)
+            step = self.tokens_per_step * max(n, self.saturation) / self.tokens_per_s
+            step += prefill / (self.tokens_per_s * self.prefill_speedup)
+            self.prefill_tokens += prefill
+            if self.trace is not None:
+                self.trace.append((asyncio.get_running_loop().time(), n, len(self._waiting), self._kv_used()))
+            await asyncio.sleep(step)
+            self.busy_s += step
+            still = []
+            for seq in self._running:
+                gained = min(self.tokens_per_step, len(seq["plan"]) - seq["done"])
+                seq["done"] += gained
+                self.tokens_generated += gained
+                if seq["done"] < len(seq["plan"]):
+                    still.append(seq)
+                    continue
+                req = seq["req"]
+                self._prefix[req.key[:2]] = len(req.ids) + seq["done"]
+                self._reserved -= req.need
+                seq["fut"].set_result(GenResult(list(seq["plan"]), [0.0] * len(seq["plan"]), seq["why"]))
+            self._running = still
+            while self._kv_used() > self.capacity_tokens and len(self._running) > 1:  # KV overflow: preempt
+                victim = self._running.pop()
+                self._waiting.insert(0, victim)  # recomputes its whole context when it is admitted again
+                self.preemptions += 1
+
+
+def virtual_time_loop() -> asyncio.AbstractEventLoop:
+    """An event loop whose clock jumps to the next timer instead of waiting for it (benchmarks and tests with
+    SimulatedEngine and simulated tools: hours of engine time run in seconds). Only for code that waits on
+    timers alone (asyncio.sleep); it patches the loop's selector, a private attribute of asyncio."""
+    loop = asyncio.new_event_loop()
+    clock = [0.0]
+    real_select = loop._selector.select
+
+    def select(timeout=None):
+        if timeout is not None and timeout > 0:
+            clock[0] += timeout
+        return real_select(0)
+
+    loop._selector.select = select
+    loop.time = lambda: clock[0]
+    return loop
