@@ -28,7 +28,6 @@ import dataclasses
 import json
 import os
 import random
-import resource
 import shlex
 import sys
 import time
@@ -40,6 +39,8 @@ from distributed import (DIST, barrier, close_distributed, from_rank0, full_stat
                          load_optimizer_state, shard_policy, without_torchrun_env)
 # the update of one step (rl_update.py); its log-prob helpers are named here too, for tests and checks
 from rl_update import engine_trainer_mismatch, policy_update, shared_prefix_length, token_logprobs  # noqa: F401
+from run_files import (UsageError, peak_memory_gb, plot_curves, prepare_run_dir, reset_peak_memory, stage_dir,
+                       write_json_atomic, write_samples)
 
 # OpenMP threads that wait for each other sleep instead of spinning. Beside any other busy process (sandbox workers,
 # another program) spinning made CPU steps several times slower than their share of the cores (docs/contention.md,
@@ -141,76 +142,9 @@ STAGES = {
 }
 
 
-class UsageError(Exception):
-    """Bad input from the person running the command: printed as one line, exit code 2."""
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Small utilities: logging, peak memory, the run directory
-
-
 def log(msg: str) -> None:
     if DIST.rank == 0:  # under torchrun, one voice
         print(msg, flush=True)
-
-
-def peak_memory_gb() -> float:
-    """Peak resident memory of this process since the last reset_peak_memory() (Linux VmHWM; ru_maxrss elsewhere)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20  # kB -> GB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def reset_peak_memory() -> None:
-    """Start a new peak (so an RL stage does not report the SFT stage's peak): Linux clear_refs value 5."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def stage_dir(cfg: Config, stage: str) -> Path:
-    return Path(cfg.out) / ("sft" if stage == "sft" else f"stage{stage}")
-
-
-def comparable(cfg_dict: dict) -> dict:
-    """The config fields that define a run (resuming with other values would mix two runs)."""
-    ignore = {"steps", "resume", "out", "save_every", "samples_per_step", "sandbox_isolation"}
-    return {k: v for k, v in cfg_dict.items() if k not in ignore}
-
-
-def prepare_run_dir(cfg: Config, stage: str) -> Path:
-    """Create the stage directory, or refuse one that holds another run (nothing already written is lost)."""
-    d = stage_dir(cfg, stage)
-    saved = d / "config.json"
-    mine = dataclasses.asdict(cfg) | {"stage": stage}
-    started = (d / "metrics.jsonl").exists() or (d / "checkpoints").exists()  # a config alone: nothing ran yet
-    if saved.exists() and started:
-        try:
-            theirs = json.loads(saved.read_text())
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{saved} is not valid JSON ({e}); move {d} away or pick another --out")
-        if not cfg.resume:
-            raise UsageError(f"{d} already holds a run; pass --resume to continue it or --out NEW_DIR to start "
-                             f"another")
-        diff = {k: (theirs.get(k), v) for k, v in comparable(mine).items()
-                if json.dumps(theirs.get(k)) != json.dumps(v)}
-        if diff:
-            shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items()))
-            raise UsageError(f"{d} holds another run ({shown}); resume with its settings or use another --out")
-    d.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(saved, mine)
-    return d
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -239,43 +173,6 @@ def load_problem_source(cfg: Config):
         return problems[order[j]]
 
     return problem_at
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Curves: one PNG a person can look at instead of reading metrics.jsonl
-
-
-def plot_curves(metrics_path: Path, out_png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "step" in r]
-    if not rows:
-        return
-    panels = [("reward", "reward (all rollouts)"), ("heldout_acc", "held-out accuracy"),
-              ("tool_error_rate", "tool error rate"), ("tool_calls_per_traj", "tool calls / trajectory"),
-              ("response_len", "response length (tokens)"), ("loss", "loss"),
-              ("clip_frac", "clip fraction"), ("groups_dropped_frac", "groups dropped (fraction)"),
-              ("step_time_s", "step time (s)"), ("reward_kept", "reward (kept after RoC)"),
-              ("tool_error_rate_pos_kept", "tool error rate, kept correct"),
-              ("logprob_diff_mean", "|engine - trainer| log-prob")]
-    fig, axes = plt.subplots(3, 4, figsize=(16, 9))
-    for ax, (key, title) in zip(axes.flat, panels):
-        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", ms=3)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step", fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"{metrics_path.parent}", fontsize=10)
-    fig.tight_layout()
-    tmp = out_png.with_name(out_png.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, out_png)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -405,21 +302,6 @@ def heldout_accuracy(rt: Runtime, cfg: Config, problems) -> dict:
             "heldout_tool_error_rate_correct": s["tool_error_rate_correct"],
             "heldout_response_len": s["response_len"], "heldout_valid_tool_call": s["valid_tool_call_share"],
             "heldout_answer_format": s["answer_format_share"]}
-
-
-def write_samples(run_dir: Path, step: int, kept, rt: Runtime, k: int) -> None:
-    """A few trajectories per step as readable markdown: what the model wrote, what the tool answered."""
-    if k <= 0 or not kept:
-        return
-    d = run_dir / "samples"
-    d.mkdir(exist_ok=True)
-    lines = [f"# step {step}\n"]
-    for traj, adv in kept[:k]:
-        lines.append(f"## {traj.problem_id}  reward={traj.reward:.0f}  advantage={adv:+.2f}  "
-                     f"turns={traj.turns}  tool calls={traj.tool_calls} (errors {traj.tool_errors})  "
-                     f"finish={traj.finish_reason}\n")
-        lines.append("```text\n" + rt.tokenizer.decode(traj.input_ids) + "\n```\n")
-    (d / f"step_{step:04d}.md").write_text("\n".join(lines))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -555,7 +437,7 @@ def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, sta
     metrics_path = run_dir / "metrics.jsonl"
     with metrics_path.open("a") as f:
         f.write(json.dumps(row) + "\n")
-    write_samples(run_dir, step, kept, rt, cfg.samples_per_step)
+    write_samples(run_dir, step, kept, rt.tokenizer, cfg.samples_per_step)
     bar.update(1)
     bar.set_postfix(reward=f"{stats['reward']:.2f}", kept=stats["groups_kept"],
                     loss=f"{update['loss']:.4f}" if update["loss"] is not None else "-")
