@@ -37,13 +37,14 @@ variable RSTAR2_SANDBOX_ISOLATION=none for any entry point): rlimits, a scratch 
 and process-tree killing only, warned about at start and recorded by the trainer in config.json and every
 metrics.jsonl row.
 
-Every call is bounded in every mode (see call_limits()): its processes by a cgroup's pids.max where cgroups are
-writable, else by RLIMIT_NPROC where the kernel counts it for the sandbox alone (a uid of its own, or a user
-namespace), else by RLIMIT_NPROC set to what the user already runs plus max_processes; and by pid_max in its PID
-namespace (300 + max_processes + 3, Linux 6.14+). Its memory by RLIMIT_AS per process and, where cgroups are
-writable, by the worker's cgroup memory limit, which counts all its processes together with its /tmp (a tmpfs)
-and memfds. Every call has oom_score_adj 1000 (its workers 500): when memory runs out anywhere, the kernel kills
-a call first, before the trainer. docs/sandbox.md has the table and the measured bombs. SandboxSession adds optional state.
+Every call is bounded in every mode (see sandbox_isolation.call_limits()): its processes by a cgroup's pids.max
+where cgroups are writable, else by RLIMIT_NPROC where the kernel counts it for the sandbox alone (a uid of its
+own, or a user namespace), else by RLIMIT_NPROC set to what the user already runs plus max_processes; and by
+pid_max in its PID namespace (300 + max_processes + 3, Linux 6.14+). Its memory by RLIMIT_AS per process and,
+where cgroups are writable, by the worker's cgroup memory limit, which counts all its processes together with its
+/tmp (a tmpfs) and memfds. Every call has oom_score_adj 1000 (its workers 500): when memory runs out anywhere, the
+kernel kills a call first, before the trainer. docs/sandbox.md has the table and the measured bombs.
+SandboxSession adds optional state.
 
 Run `python sandbox.py` for a small demonstration.
 """
@@ -106,7 +107,7 @@ class SandboxConfig:
     scratch_mb: int = 256  # size of the per-call tmpfs mounted on /tmp (the only writable place)
     max_open_files: int = 256  # RLIMIT_NOFILE
     max_processes: int = 64  # processes (threads included) of one call: cgroup pids.max or RLIMIT_NPROC (call_limits)
-    sandbox_uid: int = 990_000  # base of the unprivileged uids/gids code runs as (see sandbox_uid(); no passwd entry)
+    sandbox_uid: int = 990_000  # base of the uids/gids code runs as (sandbox_isolation.sandbox_uid; no passwd)
     recycle_after: int = 5000  # calls after which a worker is replaced by a fresh one (started in the background)
     startup_timeout_s: float = 120.0  # a worker must import its preloads within this
     # "auto": namespaces (as root with a uid of their own, else in a user namespace) or refuse to start;
@@ -521,7 +522,8 @@ class SandboxPool:
             raise RuntimeError(f"sandbox worker failed to start (exit code {proc.poll()})")
         if hello["preload_failed"]:
             warnings.warn(f"sandbox: preload failed: {hello['preload_failed']}", RuntimeWarning)
-        self.stats["huge_pages_mb"] = hello["huge_pages_mb"]  # the latest worker's (see collapse_heap_into_huge_pages)
+        # the latest worker's (sandbox_worker.collapse_heap_into_huge_pages)
+        self.stats["huge_pages_mb"] = hello["huge_pages_mb"]
         with self._lock:
             cgroup = self._cgroups.get(proc.pid)
         if cgroup:  # the worker's own memory is charged now: the calls get memory_mb on top of it
