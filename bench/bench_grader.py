@@ -1,8 +1,8 @@
 """Benchmark the answer grader (eval.is_equiv) against plain math-verify, on realistic (pred, gold) pairs.
 
-The issue's bar: grading 10,000 pairs takes under a minute on 2 cores. Pairs are built from the answers of the
-offline benchmark files (../shared/data, read in place): for each sampled gold answer a prediction that is the
-same string ("correct"), an equal answer written differently ("reformatted": 033, 1,000, x = 5, 5^\\circ,
+The goal: grading 10,000 pairs takes under a minute on 2 cores. Pairs are built from the answers of the offline
+benchmark files (in tasks.data_dir(): $RSTAR2_DATA_DIR or the checkout's data/, read in place): for each sampled
+gold answer a prediction that is the same string ("correct"), an equal answer written differently ("reformatted": 033, 1,000, x = 5, 5^\\circ,
 a/b, 0.5 for 1/2, the tool's 0.3333333333333333 for 1/3, 1.5\\times10^{3}, 125\\textnormal{ miles}, $...$,
 \\dfrac, ...) or a wrong one ("wrong": off by one, scaled by 100 or 1/100, a decimal approximation of pi or 1/3
 to 6 places, a changed digit). Each pair carries the verdict we intend, so the run also reports
@@ -27,8 +27,9 @@ from fractions import Fraction
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import eval as grader  # noqa: E402
+import tasks  # noqa: E402
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
+DATA = str(tasks.data_dir())
 
 # ---- arguments
 
