@@ -39,9 +39,9 @@ def shared_prefix_length(seqs: list[list[int]], masks: list[list[int]] | None = 
     wanted in every row (its first model token, mask 1; without masks every token but the first) and at len - 1.
     Capping at the first model token is what keeps a rollout's own response out of the "prompt": two rollouts
     that both begin with "<reason>", or a micro-batch of one row, still get every model token's log-prob."""
-    n = min(len(s) for s in seqs) - 1
     if masks is None:
         return 1
+    n = min(len(s) for s in seqs) - 1
     for m in masks:
         n = min(n, m.index(1) if 1 in m else len(m))
     first = seqs[0]
@@ -55,7 +55,7 @@ def shared_prefix_length(seqs: list[list[int]], masks: list[list[int]] | None = 
 
 def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share_prefix: bool = True,
                    masks: list[list[int]] | None = None):
-    """log pi(x_t | x_<t) / T-scaled, by absolute position: logprobs [B, L], logprobs[b, t] is the log-probability
+    """log pi(x_t | x_<t) at temperature T, by absolute position: logprobs [B, L], logprobs[b, t] is the log-probability
     of seqs[b][t] given seqs[b][:t] (log_softmax(logits / temperature)), for every t >= 1 that is a real token;
     zero at t = 0 and on padding. masks (the loss masks, 1 = model token): only those tokens' logits are computed
     (the tool responses need no 49K-wide vocabulary projection), the rest are zero too.
