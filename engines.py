@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from model import release_freed_memory
@@ -96,8 +97,10 @@ def sample_rows(logits, temperatures, top_ps, generators):
     for row, (t, p, gen) in enumerate(zip(temperatures, top_ps, generators)):
         if t <= 0:
             tok = int(torch.argmax(logp[row]))
-        elif p >= 1.0:
-            tok = int(torch.multinomial(logp[row].exp(), 1, generator=gen))
+        elif p >= 1.0:  # inverse CDF: one uniform per row (multinomial draws 49K exponentials: 8% of a step)
+            cdf = torch.cumsum(logp[row].exp(), 0)
+            u = torch.rand(1, generator=gen, device=logp.device, dtype=cdf.dtype) * cdf[-1]
+            tok = min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
         else:  # nucleus: the smallest set of most likely tokens whose mass reaches p
             probs, order = torch.sort(logp[row].exp(), descending=True)
             keep = (torch.cumsum(probs, 0) - probs) < p  # always keeps the most likely token
@@ -131,21 +134,25 @@ class TransformersEngine:
     the slowest row). Every row samples with its request's own generator, so its tokens do not depend on which
     other requests share the batch.
 
-    Two things make it fast on a CPU, measured in bench/bench_rollout.py:
+    Three things make it fast on a CPU, measured in bench/bench_rollout.py:
       * the shared prefix: every prompt starts with the same ~450-token system prompt and tool schema. Its KV
-        is computed once per weight version and copied into each new row; only the rest of the context is
-        prefilled (that prefill used to cost more than all the decoding);
+        is computed once per weight version and held once for the whole batch; only the rest of the context
+        is prefilled (that prefill used to cost more than all the decoding), and attention reads the prefix
+        once per step for all rows (shared_prefix_attention) instead of once per row;
       * a KV buffer with room to grow (growing_kv_layer), instead of transformers' DynamicCache which copies
-        the whole cache at every step.
+        the whole cache at every step;
+      * sampling by inverse CDF (sample_rows).
 
-    KV layout of the batch, one column per cached token (all rows append the next token in the same column):
+    KV layout: the shared prefix (P columns, one copy), then the batch's cache, one column per cached token
+    (all rows append the next token in the same column):
 
-        column:  0 .. P-1          P ......... start[b]-1   start[b] ........... L-1
-        row b:   shared prefix     padding (masked)         the row's own tokens (rest of prompt, output)
+        prefix:  0 .. P-1, shared by the rows that have it
+        column:  0 ......... start[b]-1   start[b] ........... L-1
+        row b:   padding (masked)         the row's own tokens (rest of prompt, output)
 
-    A row whose context does not start with the shared prefix masks the prefix columns too and keeps its whole
-    context in its own tokens. Positions count real tokens only, so each row sees the positions of a plain
-    forward of its own context. The decode runs in a worker thread, so the event loop keeps serving tool
+    A row whose context does not start with the shared prefix masks the prefix and keeps its whole context in
+    its own tokens. Positions count real tokens only, so each row sees the positions of a plain forward of its
+    own context. The decode runs in a worker thread, so the event loop keeps serving tool
     results meanwhile."""
 
     def __init__(self, model, tokenizer, max_batch: int = 16, kv_capacity_tokens: int = 65536,
@@ -164,6 +171,8 @@ class TransformersEngine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.prefix_ids = shared_prompt_prefix(tokenizer) if share_prefix else []
         self._prefix_kv = None            # [(keys, values)] per layer of prefix_ids, for the current weights
+        if self.prefix_ids:
+            use_shared_prefix_attention(self.model)
         self._queue: list[tuple[GenRequest, asyncio.Future]] = []
         self._lock = threading.Lock()     # guards _queue and _looping between the event loop and the decode thread
         self._looping = False             # whether a decode loop is running (or about to)
@@ -280,7 +289,7 @@ class TransformersEngine:
                         if items:
                             self._in_flight = [r.item for r in rows] + items
                             new_rows, new_cache, new_logits = self._prefill(items)
-                            cache = merge_batches(cache, rows, new_cache, new_rows, len(self.prefix_ids))
+                            cache = merge_batches(cache, rows, new_cache, new_rows)
                             release_freed_memory()  # the old batch's buffers, before they fragment the heap
                             rows += new_rows
                             logits = new_logits if logits is None else torch.cat([logits, new_logits])
@@ -302,14 +311,23 @@ class TransformersEngine:
                             cache, logits = None, None
                             continue
                         cache.batch_select_indices(torch.tensor(keep, device=self.device))
-                        cache = trim_padding(cache, rows, len(self.prefix_ids))
+                        cache = trim_padding(cache, rows)
                     logits = self._decode_step(rows, cache)
         finally:
             self.model.train(was_training)
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache):
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+    def _forward(self, rows, input_ids, position_ids, cache):
+        import torch
+
+        extra = {}
+        if self.prefix_ids:   # shared_prefix_attention: the prefix's KV, and which rows attend to it
+            has_prefix = torch.tensor([r.has_prefix for r in rows], device=self.device)
+            extra["shared_prefix"] = (self._shared_prefix_kv(), has_prefix)
+        width = cache.get_seq_length() + input_ids.shape[1]
+        with output_projection_transposed(self.model):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask(rows, width, self.device),
+                             position_ids=position_ids, use_cache=True, logits_to_keep=1,
+                             **{self._cache_kw: cache}, **extra)
         return out.logits[:, -1, :].float()
 
     def _shared_prefix_kv(self):
@@ -326,7 +344,7 @@ class TransformersEngine:
 
     def _prefill(self, items):
         """Prefill new requests as one batch on top of the shared prefix: returns their rows, their cache
-        (columns: prefix, left padding, own tokens) and the logits of their next token."""
+        (columns: left padding, own tokens; the prefix stays shared) and the logits of their next token."""
         import torch
 
         P = len(self.prefix_ids)
@@ -344,12 +362,11 @@ class TransformersEngine:
             ids[b, width - row.own_len:] = torch.tensor(own)
             first = P if row.has_prefix else 0
             pos[b, width - row.own_len:] = torch.arange(first, first + row.own_len)
-            row.start = P + width - row.own_len
-        cache = new_cache(self._shared_prefix_kv(), len(rows), room=width + 1)
+            row.start = width - row.own_len
+        cache = new_cache(None)
         self.waves += 1
         self.prefill_tokens += sum(r.own_len for r in rows)
-        logits = self._forward(ids.to(self.device), attention_mask(rows, P + width, P, self.device),
-                               pos.to(self.device), cache)
+        logits = self._forward(rows, ids.to(self.device), pos.to(self.device), cache)
         return rows, cache, logits
 
     def _decode_step(self, rows, cache):
@@ -358,8 +375,7 @@ class TransformersEngine:
         dev = self.device
         step_ids = torch.tensor([[r.new_ids[-1]] for r in rows], device=dev)
         positions = torch.tensor([[r.next_pos + len(r.new_ids) - 1] for r in rows], device=dev)
-        width = cache.get_seq_length() + 1
-        return self._forward(step_ids, attention_mask(rows, width, len(self.prefix_ids), dev), positions, cache)
+        return self._forward(rows, step_ids, positions, cache)
 
 
 @dataclass
@@ -376,6 +392,39 @@ class _Row:
     new_lps: list = field(default_factory=list)
 
 
+@contextmanager
+def output_projection_transposed(model):
+    """Inside: the model's output projection (an nn.Linear, weight W [V, H]) computes logits^T = W h^T instead
+    of h W^T: the same numbers, in the order MKL runs 1.6-2x faster for SmolLM2's 49K x 576 W at 8-64 rows
+    (a quarter of a decode step). The head's own product is skipped (a pre-hook hands it zero positions) and
+    its output replaced, so whatever the model does with the logits afterwards still happens."""
+    import torch
+
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        yield
+        return
+    held = []
+
+    def no_positions(_head, args):
+        held.append(args[0])
+        return (args[0][..., :0, :],)
+
+    def transposed(_head, _args, _out):
+        h = held.pop()
+        flat = h.reshape(-1, h.shape[-1])
+        logits = torch.mm(head.weight, flat.T).T.contiguous()
+        logits = logits if head.bias is None else logits + head.bias
+        return logits.view(*h.shape[:-1], -1)
+
+    handles = [head.register_forward_pre_hook(no_positions), head.register_forward_hook(transposed)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def shared_prompt_prefix(tokenizer) -> list[int]:
     """The token ids every rendered prompt starts with (system prompt, tool schema, the user turn's opening
     instructions): the common prefix of renders that differ only in the question. Questions that start with a
@@ -388,15 +437,80 @@ def shared_prompt_prefix(tokenizer) -> list[int]:
     return renders[0][:n]
 
 
-def attention_mask(rows, width: int, P: int, device):
-    """The 2D mask of the batch layout (see TransformersEngine): prefix columns for rows that have the prefix,
-    then every column from the row's own start on."""
+def attention_mask(rows, width: int, device):
+    """The 2D mask of the batch's own columns (see TransformersEngine): every column from the row's own start
+    on. (Which rows see the shared prefix, shared_prefix_attention is told separately.)"""
     import torch
 
     col = torch.arange(width, device=device)[None, :]
-    has_prefix = torch.tensor([r.has_prefix for r in rows], device=device)[:, None]
     start = torch.tensor([r.start for r in rows], device=device)[:, None]
-    return (((col < P) & has_prefix) | (col >= start)).long()
+    return (col >= start).long()
+
+
+SHARED_PREFIX_ATTENTION = "rstar2_shared_prefix"   # the transformers attention implementation registered below
+
+
+def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            shared_prefix=None, **kwargs):
+    """Attention over [shared prefix | the row's own columns] with the prefix's KV held once for the whole batch
+    (a transformers attention function; TransformersEngine passes shared_prefix=(prefix KV per layer, has_prefix
+    [B] bool) with every forward). Without shared_prefix it is transformers' sdpa, so a trainer that shares the
+    engine's model computes exactly what it did.
+
+    Decoding (one query a row) is bound by reading the KV cache: with the ~450-token prefix copied into every
+    row, a batch of 32 reads 32 copies of it in every layer (23% of a decode step, more than the weights). Here
+    the prefix is read once, as one matmul for all rows and heads (GQA: the query heads of a KV head are stacked):
+
+        s_prefix = q K_prefix^T * scale        [kv heads, B * groups, P]     (-inf for rows without the prefix)
+        s_own    = q K_own^T * scale + mask    [B, kv heads, groups, L_own]
+        p = softmax([s_prefix | s_own]),  out = p_prefix V_prefix + p_own V_own
+
+    A prefill (many queries a row) concatenates the prefix to the row's columns and runs sdpa (its flash kernel
+    never holds the whole score matrix)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if shared_prefix is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    import torch
+
+    layers, has_prefix = shared_prefix
+    pk, pv = layers[module.layer_idx]                      # [1, kv heads, P, d]
+    B, H, Q, d = query.shape
+    kvh, P = key.shape[1], pk.shape[2]
+    g = H // kvh
+    scale = scaling if scaling is not None else d ** -0.5
+    own_mask = attention_mask[:, :, :, -key.shape[2]:].bool()   # [B, 1, Q, L_own], True = attend
+    prefix_mask = has_prefix.view(B, 1, 1, 1).expand(B, 1, Q, P)
+    if Q > 1:   # prefill: the prefix in front of every row's own columns, then sdpa
+        keys = torch.cat([pk.expand(B, -1, -1, -1), key], dim=2)
+        values = torch.cat([pv.expand(B, -1, -1, -1), value], dim=2)
+        mask = torch.cat([prefix_mask, own_mask], dim=-1)
+        return sdpa_attention_forward(module, query, keys, values, mask, dropout=dropout, scaling=scale, **kwargs)
+    q = query.reshape(B, kvh, g, d)                                               # head h = kv head h // g
+    s_prefix = torch.matmul(q.transpose(0, 1).reshape(kvh, B * g, d), pk[0].transpose(1, 2))
+    s_prefix = s_prefix.view(kvh, B, g, P).transpose(0, 1)                        # [B, kv heads, g, P]
+    s_own = torch.matmul(q, key.transpose(2, 3))                                  # [B, kv heads, g, L_own]
+    scores = torch.cat([s_prefix, s_own], dim=-1).float() * scale
+    scores = scores.masked_fill(~torch.cat([prefix_mask, own_mask], dim=-1).view(B, 1, 1, -1), float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(value.dtype)
+    out_prefix = torch.matmul(p[..., :P].transpose(0, 1).reshape(kvh, B * g, P), pv[0]).view(kvh, B, g, d)
+    out = out_prefix.transpose(0, 1) + torch.matmul(p[..., P:], value)           # [B, kv heads, g, d]
+    return out.reshape(B, H, 1, d).transpose(1, 2), None                         # [B, 1, H, d], as sdpa returns
+
+
+def use_shared_prefix_attention(model) -> None:
+    """Register shared_prefix_attention with transformers and switch the model to it (it is sdpa whenever no
+    shared prefix is passed). Its mask is sdpa's, always materialised (never skipped for is_causal)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def always_a_mask(*args, **kwargs):
+        return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
+
+    AttentionInterface.register(SHARED_PREFIX_ATTENTION, shared_prefix_attention)
+    AttentionMaskInterface.register(SHARED_PREFIX_ATTENTION, always_a_mask)
+    model.set_attn_implementation(SHARED_PREFIX_ATTENTION)
 
 
 def growing_kv_layer():
@@ -412,7 +526,7 @@ def growing_kv_layer():
             def update(self, key_states, value_states, *args, **kwargs):
                 if not self.is_initialized:
                     self.lazy_initialization(key_states, value_states)
-                    self.set(key_states[:, :, :0], value_states[:, :, :0])
+                    self.set(key_states[:, :, :0], value_states[:, :, :0], room=key_states.shape[-2] + 128)
                 n, add = self.keys.shape[-2], key_states.shape[-2]
                 if n + add > self.k_buf.shape[-2]:  # grow by a quarter (at least 128 columns): bounded waste
                     self.set(self.keys, self.values, room=max(add + n // 4, 128))
@@ -465,10 +579,10 @@ def new_cache(layers_kv, batch: int | None = None, room: int = 64):
     return cache
 
 
-def merge_batches(cache, rows, new, new_rows, P: int):
-    """Stack the newcomers' cache under the running batch's, padding the shorter one after the prefix so both
-    end in the same column (every row appends its next token there). Written straight into one new buffer per
-    layer (with room to grow), so the batch's KV is copied once."""
+def merge_batches(cache, rows, new, new_rows):
+    """Stack the newcomers' cache under the running batch's, left-padding the shorter one so both end in the
+    same column (every row appends its next token there). Written straight into one new buffer per layer (with
+    room to grow), so the batch's KV is copied once."""
     if cache is None:
         return new
     width, new_width = cache.get_seq_length(), new.get_seq_length()
@@ -484,8 +598,7 @@ def merge_batches(cache, rows, new, new_rows, P: int):
             buf = a.new_zeros((a.shape[0] + b.shape[0], a.shape[1], target + 128, a.shape[3]))
             for rows_, x, shift in ((slice(0, a.shape[0]), a, target - width),
                                     (slice(a.shape[0], None), b, target - new_width)):
-                buf[rows_, :, :P] = x[:, :, :P]                                  # the prefix
-                buf[rows_, :, P + shift:target] = x[:, :, P:]                    # own tokens, right-aligned
+                buf[rows_, :, shift:target] = x                                  # right-aligned
             bufs.append(buf)
         layer = growing_kv_layer()()
         layer.hold(*bufs, target)
@@ -493,11 +606,11 @@ def merge_batches(cache, rows, new, new_rows, P: int):
     return merged
 
 
-def trim_padding(cache, rows, P: int, slack: int = 64):
+def trim_padding(cache, rows, slack: int = 64):
     """Drop the padding columns that every remaining row masks (left by rows that left the batch), once there
     are at least `slack` of them: attention then runs over fewer columns. In place: the own-token columns move
     left inside the existing buffers."""
-    waste = min(r.start for r in rows) - P
+    waste = min(r.start for r in rows)
     if waste < slack:
         return cache
     for r in rows:
@@ -505,7 +618,7 @@ def trim_padding(cache, rows, P: int, slack: int = 64):
     for layer in cache.layers:
         n = layer.keys.shape[-2]
         for buf in (layer.k_buf, layer.v_buf):
-            buf[:, :, P:n - waste] = buf[:, :, P + waste:n].clone()
+            buf[:, :, :n - waste] = buf[:, :, waste:n].clone()
         layer.hold(layer.k_buf, layer.v_buf, n - waste)
     return cache
 

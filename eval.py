@@ -698,8 +698,9 @@ def main(argv=None) -> int:
                                               dtype="bfloat16" if device == "cuda" or models.bf16_is_fast()
                                               else "float32")
     else:
-        engines = [scheduler.TransformersEngine(models.load_model(path, device=device), tokenizer,
-                                                max_batch=args.batch, device=device)]
+        engines = [scheduler.TransformersEngine(models.load_model(path, dtype=models.engine_dtype(None, device),
+                                                                  device=device),   # bf16 where that is fast
+                                                tokenizer, max_batch=args.batch, device=device)]
     cfg = scheduler.RolloutConfig(max_turns=args.max_turns, max_response_tokens=args.max_tokens,
                                   temperature=args.temperature, top_p=args.top_p)
     pool = sandbox.SandboxPool()

@@ -163,6 +163,28 @@ def bf16_is_fast(device: str = "cpu") -> bool:
         return False
 
 
+def bf16_autocast(model, bf16: bool | None = None):
+    """bf16 autocast over the fp32 master weights (matmuls in bf16; the loss, the optimizer and the weights stay
+    fp32), where `bf16` says so (None: where bf16 matrix units exist, bf16_is_fast). Used by the SFT and the RL
+    update; on a GPU under accelerate the accelerator autocasts already (this adds nothing there)."""
+    import torch
+
+    device = next(model.parameters()).device.type
+    on = bf16_is_fast(device) if bf16 is None else bf16
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=on)
+
+
+def engine_dtype(bf16: bool | None = None, device: str = "cpu"):
+    """The precision of a rollout engine's copy of the policy: bf16 on a GPU, and on a CPU where `bf16` says so
+    (None: where bf16_is_fast; vLLM engines hold bf16 weights the same way while the trainer keeps fp32 masters),
+    else float32. The trainer recomputes pi_old itself, so only the log-prob mismatch metric sees the gap."""
+    import torch
+
+    if device != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if (bf16_is_fast(device) if bf16 is None else bf16) else torch.float32
+
+
 def load_model(path: str | Path, dtype=None, device: str = "cpu"):
     """A causal LM in train-ready precision: float32 on CPU (master weights; sft.py autocasts its matmuls to bf16
     where bf16_is_fast), bf16 on GPU."""
@@ -212,7 +234,7 @@ def _malloc_trim():
         return None
 
 
-def next_token_logits(model, ids, attention_mask, start: int, share_prefix: bool = True, keep=None):
+def next_token_logits(model, ids, attention_mask, start: int, share_prefix: bool = True, keep=None, prefix_kv=None):
     """Logits that predict ids[:, start:] (logits[b, j] predicts ids[b, start + j]), for right-padded rows
     whose first `start` tokens are the same (start >= 1). Used by the SFT loss and the RL log-probs.
 
@@ -224,21 +246,30 @@ def next_token_logits(model, ids, attention_mask, start: int, share_prefix: bool
     The vocabulary projection is the costly part (49K outputs a token: a fifth of SmolLM2's forward, and the
     largest tensors). Only logits from position start - 1 on are computed, and with `keep` (bool [B, L - start],
     e.g. "this target is labeled") only those: the result is then logits[keep], shape [keep.sum(), V], rows in
-    row-major order of `keep` (models.projection_only_at)."""
+    row-major order of `keep` (models.projection_only_at).
+
+    prefix_kv: the KV of the rows' first p tokens (prefix_cache), computed once by the caller for several calls
+    (rl_update runs the system prompt once per mini-batch, not once per micro-batch); p < start."""
     import inspect
 
     import torch
+    from transformers import DynamicCache
 
     B, L = ids.shape
     # the hidden state at t gives the logits for token t + 1: positions start-1 .. L-1 (the last predicts nothing)
     wanted = None if keep is None else torch.cat([keep, keep.new_zeros(B, 1)], dim=1)   # [B, L - start + 1]
-    if not share_prefix or B == 1 or start < 2:
+    if prefix_kv is None and (not share_prefix or B == 1 or start < 2):
         with projection_only_at(model, wanted):
             logits = model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=L - start + 1).logits
         return logits if keep is not None else logits[:, :-1]
-    p = start - 1   # the shared prefix, once (its own logit is not needed: the tail starts one token earlier)
-    out = model(input_ids=ids[:1, :p], use_cache=True, logits_to_keep=1)
-    cache = out["cache"] if "cache" in out else out.past_key_values  # 5.x / 4.x name of the output
+    if prefix_kv is None:   # the shared prefix, once (its own logit is not needed: the tail starts one token earlier)
+        p = start - 1
+        prefix_kv = prefix_cache(model, ids[:1, :p])
+    p = prefix_kv[0][0].shape[2]
+    skip = start - 1 - p    # positions forwarded after the prefix whose logits are not wanted
+    if wanted is not None:
+        wanted = torch.cat([wanted.new_zeros(B, skip), wanted], dim=1)
+    cache = DynamicCache(ddp_cache_data=prefix_kv)
     for layer in cache.layers:  # one prefix, B rows: expand is a view, gradients add up into the prefix
         layer.keys = layer.keys.expand(B, -1, -1, -1)
         layer.values = layer.values.expand(B, -1, -1, -1)
@@ -247,7 +278,15 @@ def next_token_logits(model, ids, attention_mask, start: int, share_prefix: bool
     with projection_only_at(model, wanted):
         logits = model(input_ids=ids[:, p:], attention_mask=attention_mask, position_ids=positions,
                        **{cache_kw: cache}).logits
-    return logits if keep is not None else logits[:, :-1]
+    return logits if keep is not None else logits[:, skip:-1]
+
+
+def prefix_cache(model, prefix_ids):
+    """[(keys, values)] per layer, each [1, kv heads, p, head dim]: the KV of one prefix (ids [1, p]), with the
+    gradient graph when grad is enabled."""
+    out = model(input_ids=prefix_ids, use_cache=True, logits_to_keep=1)
+    cache = out["cache"] if "cache" in out else out.past_key_values  # 5.x / 4.x name of the output
+    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 @contextmanager

@@ -54,7 +54,7 @@ def shared_prefix_length(seqs: list[list[int]], masks: list[list[int]] | None = 
 
 
 def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share_prefix: bool = True,
-                   masks: list[list[int]] | None = None):
+                   masks: list[list[int]] | None = None, prefix_kv=None):
     """log pi(x_t | x_<t) at temperature T, by absolute position: logprobs [B, L], logprobs[b, t] is the log-probability
     of seqs[b][t] given seqs[b][:t] (log_softmax(logits / temperature)), for every t >= 1 that is a real token;
     zero at t = 0 and on padding. masks (the loss masks, 1 = model token): only those tokens' logits are computed
@@ -63,7 +63,8 @@ def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share
     The values do not depend on how the rows are packed: the shared prefix (run once) ends before the first
     wanted token of every row (shared_prefix_length), so two passes over the same trajectory in different
     micro-batches give the same numbers to float rounding. share_prefix=False forwards the prefix with every row
-    (one forward pass whatever the data: what FSDP's ranks need)."""
+    (one forward pass whatever the data: what FSDP's ranks need). prefix_kv: the KV of the rows' first tokens
+    (shared_prompt_kv), computed once for several calls."""
     import torch
 
     import model as models
@@ -79,13 +80,46 @@ def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share
         mask[b, :len(s)] = 1
         keep[b, 1:len(s)] = True if masks is None else torch.tensor(masks[b][1:], device=device) == 1
     keep[:, :P] = False   # (P never passes a wanted token: nothing is lost here)
-    logits = models.next_token_logits(model, ids, mask, P, share_prefix, keep=keep[:, P:]).float()  # [keep.sum(), V]
+    logits = models.next_token_logits(model, ids, mask, P, share_prefix, keep=keep[:, P:],
+                                      prefix_kv=prefix_kv).float()  # [keep.sum(), V]
     kept = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[keep].unsqueeze(-1)).squeeze(-1)
     return torch.zeros(B, L, dtype=kept.dtype, device=device).masked_scatter(keep, kept)
 
 
+def shared_prompt_kv(model, prompt: list[int]):
+    """The system prompt once for a whole pass over the trajectories, instead of once per micro-batch: the KV of
+    the first p tokens that every trajectory shares (policy_update: p = shared_prefix_length - 1, so the last
+    shared token still runs with each row). Returns (kv for the micro-batches, kv with the graph or None).
+
+    With grad, the micro-batches attend to detached copies (leaves) of the prompt's KV: each backward adds dL/dKV
+    into their .grad, and backward_through_prompt then runs the prompt's own backward once with the sum. By the
+    chain rule that is the gradient of the loss through a full forward of every row (tests/test_trainer.py)."""
+    import torch
+
+    import model as models
+
+    graph = models.prefix_cache(model, torch.tensor([prompt], device=next(model.parameters()).device))
+    if not torch.is_grad_enabled():
+        return graph, None
+    return [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in graph], graph
+
+
+def backward_through_prompt(leaves, graph) -> None:
+    """The prompt's backward, once, with the gradients the micro-batches left on its KV (shared_prompt_kv)."""
+    import torch
+
+    pairs = [(g, leaf.grad) for gl, ll in zip(graph, leaves) for g, leaf in zip(gl, ll) if leaf.grad is not None]
+    if pairs:
+        torch.autograd.backward([g for g, _ in pairs], [d for _, d in pairs])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The update
+
+
+def bf16_option(cfg: Config) -> bool | None:
+    """cfg.precision as models.bf16_autocast / models.engine_dtype take it: None = decide by the hardware."""
+    return {"auto": None, "fp32": False, "bf16": True}[cfg.precision]
 
 
 def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: random.Random,
@@ -99,6 +133,7 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
     import torch
 
     import grpo_roc
+    import model as models
 
     model, world = rt.model, DIST.world  # world > 1 under torchrun (distributed.py)
     seqs = [t.input_ids for t, _ in kept]
@@ -106,13 +141,25 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
     advs = [a for _, a in kept]
     lengths = [len(s) for s in seqs]
     backward = rt.accelerator.backward if rt.accelerator is not None else torch.Tensor.backward
+    # CPU: the forward passes under bf16 autocast where cfg.precision says so (weights, loss and optimizer stay
+    # fp32); GPU: accelerate (or FSDP's mixed-precision policy) autocasts already.
+    bf16 = bf16_option(cfg) if rt.accelerator is None and world == 1 else False
 
-    def logprobs(mb):
+    def autocast():
+        return models.bf16_autocast(model, bf16)
+
+    def logprobs(mb, prompt_kv=None):
         """log pi [rows, L] for a micro-batch; None is a rank's empty pass (distributed.my_micro_batches)."""
         if mb is None:
             return token_logprobs(model, [seqs[0][:2]], cfg.temperature, share_prefix=world == 1)
         return token_logprobs(model, [seqs[i] for i in mb], cfg.temperature, share_prefix=world == 1,
-                              masks=[masks[i] for i in mb])   # only model tokens enter the loss
+                              masks=[masks[i] for i in mb], prefix_kv=prompt_kv)  # only model tokens enter the loss
+
+    # One process: the system prompt runs once a pass (shared_prompt_kv), and micro-batches are packed by the
+    # tokens they forward themselves. (FSDP ranks forward whole rows: one pass whatever the data.)
+    p = shared_prefix_length(seqs, masks) - 1 if world == 1 and len(seqs) > 1 else 0
+    p = p if p >= 16 else 0
+    own = [n - p for n in lengths]
 
     order = list(range(len(seqs)))
     rng.shuffle(order)
@@ -123,10 +170,11 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
     # the engine) so that rho = 1 exactly at the first update whatever the engine's numerics.
     old = [None] * len(seqs)
     model.eval()
-    with torch.no_grad():
-        for mb in my_micro_batches([sum((s[r] for s in shares), []) for r in range(world)], lengths,
+    with torch.no_grad(), autocast():
+        prompt_kv = shared_prompt_kv(model, seqs[0][:p])[0] if p else None
+        for mb in my_micro_batches([sum((s[r] for s in shares), []) for r in range(world)], own,
                                    cfg.micro_batch_tokens):
-            logp = logprobs(mb)
+            logp = logprobs(mb, prompt_kv)
             for row, i in enumerate(mb or []):
                 old[i] = logp[row, : lengths[i]].clone()
     model.train()
@@ -141,8 +189,11 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
         n_tokens = sum(sum(masks[i]) for i in chunk)
         optimizer.zero_grad(set_to_none=True)
         loss_total, clipped, counted = 0.0, 0.0, 0
-        for mb in my_micro_batches(share, lengths, cfg.micro_batch_tokens):
-            logp = logprobs(mb)
+        with autocast():
+            leaves, graph = shared_prompt_kv(model, seqs[0][:p]) if p else (None, None)
+        for mb in my_micro_batches(share, own, cfg.micro_batch_tokens):
+            with autocast():
+                logp = logprobs(mb, leaves)
             if mb is None:
                 backward(logp.sum() * 0.0)  # no items left on this rank: a zero gradient, the collectives in step
                 continue
@@ -159,6 +210,8 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
             clipped += st["clip_frac"] * st["num_tokens"]
             counted += st["num_tokens"]
             ratio_min, ratio_max = min(ratio_min, st["ratio_min"]), max(ratio_max, st["ratio_max"])
+        if p:
+            backward_through_prompt(leaves, graph)
         loss_total, clipped, counted = all_ranks_sum([loss_total, clipped, counted])
         grad_norm = clip_gradients(model, cfg.grad_clip)
         optimizer.step()

@@ -38,7 +38,8 @@ from checkpoints import latest_checkpoint, rng_state, save_checkpoint, set_rng_s
 from distributed import (DIST, barrier, close_distributed, from_rank0, full_state, init_distributed,
                          load_optimizer_state, shard_policy, without_torchrun_env)
 # the update of one step (rl_update.py); its log-prob helpers are named here too, for tests and checks
-from rl_update import engine_trainer_mismatch, policy_update, shared_prefix_length, token_logprobs  # noqa: F401
+from rl_update import (bf16_option, engine_trainer_mismatch, policy_update, shared_prefix_length,  # noqa: F401
+                       token_logprobs)
 from run_files import (UsageError, peak_memory_gb, plot_curves, prepare_run_dir, reset_peak_memory, stage_dir,
                        write_json_atomic, write_samples)
 
@@ -82,6 +83,8 @@ class Config:
     # sandbox.py isolation: auto (namespaces, or refuse to start) | none (accept rlimits only: warned, recorded)
     sandbox_isolation: str = dataclasses.field(default_factory=lambda: os.environ.get(SANDBOX_ISOLATION_ENV, "auto"))
     engine_batch: int = 32            # CPU engine: rows in the running batch (continuous batching)
+    precision: str = "auto"           # CPU: bf16 engine copy + bf16 autocast in the update | fp32 | auto (bf16 where
+                                      # the CPU has bf16 units: models.bf16_is_fast; GPU: always bf16)
     engine: str = "auto"              # auto (vLLM on GPU when installed) | vllm | transformers
     chunk_tokens: int = 0             # KV reserved per request: at most this many new tokens (0: the whole budget)
     # GRPO-RoC (paper section 2.2.3)
@@ -121,7 +124,10 @@ PRESETS = {
     # wrong (measured at T = 1, 3 problems x 8 samples each: product 12/24, modular_power 9/24; the other nine
     # families 0/24). A group of all-wrong rollouts has zero advantage and teaches nothing: on all eleven
     # families 7 of 8 groups per step were dropped, on these two 1-3 of 8 (RESULTS.md).
+    # engine_batch=64: all 64 rollouts of a step decode together (tokens/s 83 against 66 at 32 rows: the
+    # weights are read once a step for twice the rows; bench/bench_rollout.py).
     "cpu": dict(steps=6, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=512,
+                engine_batch=64,
                 draw_problems=8, max_draw_rounds=1, lr=2e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=2048,
                 eval_problems=16, eval_samples=2, hard_scan=32, sft_examples=304, levels=(1,),
                 families=("product", "modular_power")),
@@ -527,8 +533,9 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
                                                       dtype="bfloat16" if device == "cuda" or models.bf16_is_fast()
                                                       else "float32")
         else:
-            engines = [scheduler.TransformersEngine(models.load_model(model_path, device=device), tokenizer,
-                                                    max_batch=cfg.engine_batch, device=device)]
+            dtype = models.engine_dtype(bf16_option(cfg), device)   # its own copy; bf16 where that is fast
+            engines = [scheduler.TransformersEngine(models.load_model(model_path, dtype=dtype, device=device),
+                                                    tokenizer, max_batch=cfg.engine_batch, device=device)]
         pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s, isolation=cfg.sandbox_isolation)
         loop.run_until_complete(pool.start())  # refuses to start without namespaces unless isolation is "none"
         if pool.isolation["missing"]:
@@ -721,6 +728,8 @@ def parse_args(argv=None) -> Config:
         explicit.add("steps")
     cfg = Config(**values)
     cfg._explicit = explicit
+    if cfg.precision not in ("auto", "fp32", "bf16"):
+        raise UsageError(f"--set precision={cfg.precision}: choose auto, fp32 or bf16")
     if cfg.sandbox_isolation not in ("auto", "none", "userns"):
         raise UsageError(f"sandbox isolation {cfg.sandbox_isolation!r}: choose auto or none")
     import tasks

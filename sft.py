@@ -114,15 +114,10 @@ def my_micro_batches_of(examples: list[Trajectory], max_tokens: int) -> list:
 
 
 def autocast(model, cfg: SFTConfig):
-    """bf16 autocast over the fp32 master weights (matmuls in bf16, the loss and the optimizer in fp32), where
-    cfg.bf16 says so (None: where bf16 matrix units exist, models.bf16_is_fast)."""
-    import torch
-
+    """bf16 autocast over the fp32 master weights where cfg.bf16 says so (models.bf16_autocast)."""
     import model as models
 
-    device = next(model.parameters()).device.type
-    on = models.bf16_is_fast(device) if cfg.bf16 is None else cfg.bf16
-    return torch.autocast(device, dtype=torch.bfloat16, enabled=on)
+    return models.bf16_autocast(model, cfg.bf16)
 
 
 def accumulate_gradients(model, examples: list[Trajectory], cfg: SFTConfig, pad_id: int) -> float:

@@ -541,6 +541,57 @@ def wave(engine, reqs):
     return [results[i] for i in range(len(reqs))]
 
 
+def test_sampled_tokens_follow_the_softmax_at_temperature():
+    """sample_rows draws each row's token by inverse CDF with its own generator: over 6,000 rows the counts of
+    each token match softmax(logits / T) within 4 standard deviations (the brute-force count), greedy takes
+    the argmax, and the returned log-probs are log_softmax(logits / T) of the drawn tokens."""
+    import engines
+
+    logits = torch.tensor([2.0, 0.5, -1.0, 1.0, -30.0, 0.0]).repeat(6000, 1)
+    gens = [torch.Generator().manual_seed(i) for i in range(6000)]
+    tokens, lps = engines.sample_rows(logits, [0.7] * 6000, [1.0] * 6000, gens)
+    probs = torch.softmax(logits[0] / 0.7, -1)
+    counts = torch.bincount(torch.tensor(tokens), minlength=6).double()
+    sigma = (6000 * probs * (1 - probs)).sqrt()
+    assert ((counts - 6000 * probs).abs() <= 4 * sigma + 1).all(), (counts, 6000 * probs)
+    assert counts[4] == 0   # p ~ 1e-20
+    assert torch.allclose(torch.tensor(lps), torch.log_softmax(logits[0] / 0.7, -1)[torch.tensor(tokens)])
+    greedy, _ = engines.sample_rows(logits[:3], [0.0] * 3, [1.0] * 3, gens[:3])
+    assert greedy == [0, 0, 0]
+
+
+def test_shared_prefix_attention_equals_sdpa_over_the_concatenated_cache():
+    """The engine's attention (the prefix's KV held once for all rows, GQA heads stacked into one matmul) against
+    softmax(q k^T / sqrt(d) + mask) v written out on each row's own full cache [prefix | own columns], with
+    padding, rows that do not see the prefix, and one query a row (decode) or several (prefill)."""
+    import types
+
+    import engines
+
+    torch.manual_seed(0)
+    B, H, kvh, d, P, L = 3, 6, 2, 8, 11, 7
+    module = types.SimpleNamespace(layer_idx=0, num_key_value_groups=H // kvh, is_causal=True)
+    pk, pv = torch.randn(1, kvh, P, d), torch.randn(1, kvh, P, d)
+    has_prefix = torch.tensor([True, False, True])
+    for Q in (1, 4):
+        q, k, v = torch.randn(B, H, Q, d), torch.randn(B, kvh, L, d), torch.randn(B, kvh, L, d)
+        own = torch.ones(B, 1, Q, L, dtype=torch.bool)
+        own[0, :, :, :2] = False                                     # left padding
+        own[2, :, :, :5] = False
+        if Q > 1:
+            own &= torch.ones(Q, L, dtype=torch.bool).tril(L - Q)    # causal within the own columns
+        got, _ = engines.shared_prefix_attention(module, q, k, v, own, scaling=d ** -0.5,
+                                                 shared_prefix=([(pk, pv)], has_prefix))
+        # the plain computation: every row's own [prefix | own] keys, KV heads repeated for their query heads
+        keys = torch.cat([pk.expand(B, -1, -1, -1), k], 2).repeat_interleave(H // kvh, dim=1)
+        values = torch.cat([pv.expand(B, -1, -1, -1), v], 2).repeat_interleave(H // kvh, dim=1)
+        mask = torch.cat([has_prefix.view(B, 1, 1, 1).expand(B, 1, Q, P), own], -1)
+        scores = (q @ keys.transpose(2, 3) * d ** -0.5).masked_fill(~mask, float("-inf"))
+        want = (torch.softmax(scores, -1) @ values).transpose(1, 2)
+        assert got.shape == want.shape == (B, Q, H, d)
+        assert torch.allclose(got, want, atol=1e-5), (Q, (got - want).abs().max())
+
+
 def test_engine_matches_generate_and_trainer_logprobs(tokenizer, tiny):
     prompts = [S.render_prompt(tokenizer, q) for q in ("What is 2+2?", "Compute 3**40 with Python, please.")]
     engine = S.TransformersEngine(tiny, tokenizer, max_batch=4)
@@ -589,6 +640,23 @@ def test_continuous_batching_gives_each_request_what_it_gets_alone(tokenizer, ti
         alone = wave(S.TransformersEngine(tiny, tokenizer, max_batch=1, share_prefix=False), [req])[0]
         assert got.token_ids == alone.token_ids and got.finish == alone.finish
         assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-4)
+
+
+def test_a_bf16_engine_copy_samples_the_fp32_policy_closely(tokenizer, tiny):
+    """precision=bf16: the engine holds a bf16 copy of the fp32 policy (models.engine_dtype), refreshed by
+    load_weights (copy_ casts). Its sampling log-probs stay close to the fp32 trainer's for the same tokens
+    (the gap the engine-vs-trainer metric reports), and a weight sync reaches the copy."""
+    engine = S.TransformersEngine(models.tiny_model(tokenizer, seed=3).to(models.engine_dtype(True)), tokenizer)
+    engine.load_weights(tiny)   # the fp32 trainer's weights, cast into the bf16 copy
+    assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters())
+    assert all(p.dtype == torch.float32 for p in tiny.parameters())
+    prompt = S.render_prompt(tokenizer, "What is 2+2?")
+    r = wave(engine, [S.GenRequest(prompt, 24, temperature=1.0, seed=7)])[0]
+    with torch.no_grad():
+        logits = tiny(torch.tensor([prompt + r.token_ids])).logits[0, len(prompt) - 1:-1].float()
+    trainer = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
+    diff = (trainer - torch.tensor(r.logprobs)).abs()
+    assert 0 < diff.mean() < 0.05, diff
 
 
 def test_engine_load_weights_in_place(tokenizer, tiny):

@@ -151,9 +151,11 @@ def test_policy_update_gradient_equals_the_papers_loss_on_the_oracles_logprobs(t
     L = -(1/N) sum_i sum_{t: mask} min(rho A_i, clip(rho) A_i), rho = pi / pi_old = 1 here, so
     grad L = -(1/N) sum_i A_i sum_{t: mask} grad log pi(t)."""
     rng = random.Random(3)
-    trajs = random_trajectories(tokenizer, rng, 5)
-    kept = [(t, a) for t, a in zip(trajs, [1.0, -0.5, 0.75, -1.25, 0.3])]
-    for micro in (1, 4096):
+    for one_problem, micro in ((False, 1), (False, 4096), (True, 1), (True, 700)):
+        # the system prompt runs once for the mini-batch (rl_update.shared_prompt_kv): 29 shared tokens with the
+        # short prompt among the rows, ~450 with one problem's rollouts; its gradient comes back once at the end
+        trajs = random_trajectories(tokenizer, rng, 5, one_problem)
+        kept = [(t, a) for t, a in zip(trajs, [1.0, -0.5, 0.75, -1.25, 0.3])]
         _, m = lr0_update(tokenizer, kept, minibatches=1, micro_batch_tokens=micro, temperature=0.7)
         got = [p.grad.clone() for p in m.parameters()]
         m.zero_grad()
@@ -165,6 +167,23 @@ def test_policy_update_gradient_equals_the_papers_loss_on_the_oracles_logprobs(t
         loss.backward()
         for g, p in zip(got, m.parameters()):
             assert torch.allclose(g, p.grad, atol=1e-6, rtol=1e-4), micro
+
+
+def test_policy_update_under_bf16_autocast_keeps_the_gradient_direction(tokenizer):
+    """precision=bf16 (the default where the CPU has bf16 units): the forward passes run under bf16 autocast,
+    the weights, log-ratios and loss stay fp32. Within the SFT's tolerance of the fp32 update: the gradient
+    points the same way (cosine > 0.99), ratios stay 1 at lr = 0; and bf16 really ran (the gradients differ)."""
+    rng = random.Random(4)
+    trajs = random_trajectories(tokenizer, rng, 5, one_problem=True)
+    kept = [(t, a) for t, a in zip(trajs, [1.0, -0.5, 0.75, -1.25, 0.3])]
+    runs = []
+    for precision in ("fp32", "bf16"):
+        out, m = lr0_update(tokenizer, kept, minibatches=1, micro_batch_tokens=700, precision=precision)
+        assert all(p.dtype == torch.float32 for p in m.parameters())
+        assert abs(out["ratio_min"] - 1) < 1e-6 and abs(out["ratio_max"] - 1) < 1e-6
+        runs.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+    assert not torch.equal(runs[0], runs[1])
+    assert torch.nn.functional.cosine_similarity(runs[0], runs[1], dim=0) > 0.99
 
 
 def test_engine_trainer_mismatch_over_model_tokens():

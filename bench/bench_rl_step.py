@@ -1,0 +1,109 @@
+"""Benchmark one RL step end to end (rollouts + update, the CPU preset's shape), today's code against a baseline
+revision, in one run.
+
+Each arm is the real command, `rstar2_mini.py --stage 1 --steps N`, run from its own tree (the baseline is
+exported from git into a temporary folder) on the same SFT model, seed and problems: 8 problems x 8 rollouts
+with the sandbox, RoC, the update of the kept trajectories, the weight sync. The arms alternate (baseline,
+current, baseline, current, ...) so a disturbance of the machine hits both. Read from each run's metrics.jsonl:
+rollout time, step time, generated tokens per second, update tokens per second, peak memory, the engine-vs-
+trainer log-prob mismatch.
+
+    python bench/bench_rl_step.py --model runs/rstar2/sft/model            # an SFT checkpoint (tool calls)
+    python bench/bench_rl_step.py --model M --baseline 11474cd --rounds 2 --steps 1 --set engine_batch=32
+
+The rollouts of the two arms are not token-identical (the samplers differ); the step's shape is: same
+problems, same lengths budget. The last line printed is one JSON object.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINE = "11474cd"   # the engine and update before shared-prefix attention and the once-a-pass system prompt
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--model", required=True, help="an SFT checkpoint directory (the bundled base model makes "
+                                                    "almost no tool calls, so its steps are not the recipe's)")
+parser.add_argument("--baseline", default=BASELINE, help="git revision of the baseline arm")
+parser.add_argument("--rounds", type=int, default=1, help="runs of each arm (alternating)")
+parser.add_argument("--steps", type=int, default=1, help="RL steps per run")
+parser.add_argument("--set", action="append", default=[], help="Config overrides for both arms")
+parser.add_argument("--set-current", action="append", default=[], help="Config overrides for the current arm")
+args = parser.parse_args()
+model = Path(args.model).resolve()
+if not (model / "config.json").exists():
+    sys.exit(f"error: {model} is not a model directory (no config.json)")
+
+
+def export(rev: str, dest: Path) -> Path:
+    """The tracked files of `rev`, extracted into dest (git archive: nothing of the working tree)."""
+    archive = dest / "tree.tar"
+    try:
+        subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), rev], check=True,
+                       capture_output=True, text=True)
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"error: git archive {rev}: {e.stderr.strip()}")
+    tree = dest / f"tree-{rev}"
+    with tarfile.open(archive) as tar:
+        tar.extractall(tree, filter="data")
+    return tree
+
+
+def run_arm(tree: Path, out: Path, extra: list[str]) -> list[dict]:
+    """One run of stage 1 from `tree`, on the SFT model (linked in as the run's SFT checkpoint)."""
+    (out / "sft").mkdir(parents=True)
+    os.symlink(model, out / "sft" / "model")
+    cmd = [sys.executable, str(tree / "rstar2_mini.py"), "--stage", "1", "--out", str(out), "--steps",
+           str(args.steps), "--set", "eval_problems=0", "--set", "save_every=1000"]
+    for item in args.set + extra:
+        cmd += ["--set", item]
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True,
+                          env={**os.environ, "RSTAR2_DATA_DIR": os.environ.get("RSTAR2_DATA_DIR", str(ROOT / "data"))})
+    if proc.returncode != 0:
+        sys.exit(f"error: {' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "stage1" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "step_time_s" in r]
+    for r in rows:
+        r["wall_s"] = round(time.perf_counter() - started, 1)
+    return rows
+
+
+KEYS = ("rollout_time_s", "step_time_s", "gen_tokens_per_s", "train_tokens_per_s", "peak_mem_gb",
+        "logprob_diff_mean", "logprob_diff_max", "response_len")
+
+with tempfile.TemporaryDirectory(prefix="bench_rl_step-") as tmp:
+    tmp = Path(tmp)
+    trees = {"baseline": export(args.baseline, tmp), "current": ROOT}
+    results = {"baseline": [], "current": []}
+    for r in range(args.rounds):
+        for arm in ("baseline", "current"):
+            rows = run_arm(trees[arm], tmp / f"{arm}-{r}", args.set_current if arm == "current" else [])
+            results[arm] += rows
+            for row in rows:
+                print(json.dumps({"arm": arm, "round": r, **{k: row.get(k) for k in KEYS}}), flush=True)
+            shutil.rmtree(tmp / f"{arm}-{r}")
+
+
+def mean(arm: str, key: str):
+    values = [row[key] for row in results[arm] if row.get(key) is not None]
+    return round(statistics.mean(values), 3) if values else None
+
+
+summary = {f"{arm}_{k}": mean(arm, k) for arm in ("baseline", "current") for k in KEYS}
+summary |= {"step_speedup": round(summary["baseline_step_time_s"] / summary["current_step_time_s"], 3),
+            "rollout_speedup": round(summary["baseline_rollout_time_s"] / summary["current_rollout_time_s"], 3),
+            "update_speedup": round((summary["baseline_step_time_s"] - summary["baseline_rollout_time_s"])
+                                    / (summary["current_step_time_s"] - summary["current_rollout_time_s"]), 3),
+            "baseline": args.baseline, "model": str(model), "steps": args.steps, "rounds": args.rounds,
+            "overrides": args.set, "current_overrides": args.set_current}
+print(json.dumps(summary))
