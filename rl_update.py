@@ -8,9 +8,10 @@ clipped token-level loss of GRPO-RoC over mini-batches, and the check that the e
       -> the numbers of the update for metrics.jsonl (rstar2_mini.log_step); new weights go to the engines
 
 Log-probs do not depend on how the trajectories are packed into micro-batches: the shared system prompt is
-forwarded once per micro-batch (model.next_token_logits) but always ends before the first model token of every
-row. So with lr = 0 every importance ratio is exactly 1 and nothing is clipped (tests/test_trainer.py checks it,
-and that the gradient equals the paper's loss written out on each trajectory's own full forward).
+forwarded once per pass (shared_prompt_kv; its gradient flows back once, backward_through_prompt) and always
+ends before the first model token of every row. So with lr = 0 every importance ratio is exactly 1 and nothing
+is clipped (tests/test_trainer.py checks it, and that the gradient equals the paper's loss written out on each
+trajectory's own full forward). On CPUs with bf16 units the passes run under bf16 autocast (cfg.precision).
 Under torchrun (distributed.py) every rank runs policy_update on the same batch and takes its share of it.
 """
 from __future__ import annotations
@@ -25,12 +26,13 @@ if TYPE_CHECKING:  # (names only: rstar2_mini imports this module)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Log-probabilities of trajectories, with the shared system prompt computed once per micro-batch.
+# Log-probabilities of trajectories, with the shared system prompt computed once.
 #
 # Every trajectory starts with the same ~450-token system prompt (the paper's prompt + the tool schema), often
 # longer than the response of a small model. The prompt is forwarded once (with gradient), its KV cache is
 # expanded (a view, not a copy) to the micro-batch, and only the rest of each sequence is forwarded
 # (model.next_token_logits). The result equals a full forward exactly: gradients flow into the prefix.
+# policy_update goes one further: one forward of the prompt serves every micro-batch of a pass.
 
 
 def shared_prefix_length(seqs: list[list[int]], masks: list[list[int]] | None = None) -> int:

@@ -96,7 +96,7 @@ with tempfile.TemporaryDirectory(prefix="bench_rl_step-") as tmp:
 
 def mean(arm: str, key: str):
     values = [row[key] for row in results[arm] if row.get(key) is not None]
-    return round(statistics.mean(values), 3) if values else None
+    return float(f"{statistics.mean(values):.4g}") if values else None
 
 
 summary = {f"{arm}_{k}": mean(arm, k) for arm in ("baseline", "current") for k in KEYS}

@@ -2,9 +2,11 @@
 
 Two measurements, in one run, with the default SmolLM2-135M-Instruct model:
 
-1. engine vs generate: one batch of prompts, sampled at temperature 1 with the same max_new_tokens, through
-   TransformersEngine.decode_wave (per-request generators, rows leave the batch when they stop) and through plain
-   model.generate(do_sample=True). Tokens/s counts the tokens each returns up to and including eos.
+1. engine vs its baseline vs generate: one batch of prompts, sampled at temperature 1 with the same
+   max_new_tokens, through TransformersEngine.decode_wave (per-request generators, rows leave the batch when
+   they stop), through the TransformersEngine of a baseline revision (engines.py from git, --baseline, at its
+   batch size, on its own copy of the model), and through plain model.generate(do_sample=True). Tokens/s
+   counts the tokens each returns up to and including eos.
 2. scheduler vs turn-synchronous loop: the same problems, samples and seed through run_rollouts twice:
      ours          requests go to the engine as soon as they are ready, tool calls overlap generation
      synchronous   RolloutConfig(deterministic=True): every turn waits until all trajectories have generated
@@ -19,9 +21,12 @@ The last line printed is one JSON object.
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,11 +44,32 @@ parser.add_argument("--problems", type=int, default=8)
 parser.add_argument("--samples", type=int, default=2)
 parser.add_argument("--max-response-tokens", type=int, default=512)
 parser.add_argument("--max-turns", type=int, default=3)
-parser.add_argument("--max-batch", type=int, default=16)
-parser.add_argument("--engine-batch", type=int, default=16, help="prompts in the engine-vs-generate batch")
+parser.add_argument("--max-batch", type=int, default=64, help="rows of our engine (the CPU preset: 64)")
+parser.add_argument("--engine-batch", type=int, default=64, help="prompts in the engine-vs-generate batch")
 parser.add_argument("--engine-new-tokens", type=int, default=64)
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--baseline", default="11474cd",
+                    help="git revision whose engines.py is the baseline engine (before shared-prefix attention)")
+parser.add_argument("--baseline-batch", type=int, default=32, help="the baseline's rows (its CPU preset: 32)")
 args = parser.parse_args()
+
+
+def baseline_engines():
+    """engines.py of the baseline revision, imported as its own module (it needs only model.py and protocol.py,
+    whose interfaces it uses are unchanged)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = subprocess.run(["git", "-C", root, "show", f"{args.baseline}:engines.py"], capture_output=True,
+                          text=True)
+    if code.returncode != 0:
+        sys.exit(f"error: git show {args.baseline}:engines.py: {code.stderr.strip()}")
+    path = os.path.join(tempfile.mkdtemp(), "engines_baseline.py")
+    with open(path, "w") as f:
+        f.write(code.stdout)
+    spec = importlib.util.spec_from_file_location("engines_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["engines_baseline"] = module
+    spec.loader.exec_module(module)
+    return module
 
 path = models.resolve_model(args.model)
 tokenizer = models.load_tokenizer(path)
@@ -52,18 +78,29 @@ problems = tasks.generate_problems(args.problems, seed=args.seed)
 engine = scheduler.TransformersEngine(model, tokenizer, max_batch=args.max_batch,
                                       kv_capacity_tokens=args.max_batch * (1024 + args.max_response_tokens))
 
-# ---- 1. one batch: our decode loop against model.generate
+# ---- 1. one batch: our decode loop against the baseline's and model.generate
 
 import torch  # noqa: E402
 
 prompts = [scheduler.render_prompt(tokenizer, p.question) for p in tasks.generate_problems(args.engine_batch, seed=1)]
 requests = [scheduler.GenRequest(p, args.engine_new_tokens, 1.0, 1.0, seed=i) for i, p in enumerate(prompts)]
-engine.decode_wave(requests[:2], lambda i, r: None)  # warm-up
-results = {}
-started = time.perf_counter()
-engine.decode_wave(requests, lambda i, r: results.__setitem__(i, r))
-engine_s = time.perf_counter() - started
-engine_tokens = sum(len(r.token_ids) for r in results.values())
+
+
+def decode_all(eng):
+    """(tokens, seconds) of decoding every request with `eng` (after a short warm-up)."""
+    eng.decode_wave(requests[:2], lambda i, r: None)
+    results = {}
+    started = time.perf_counter()
+    eng.decode_wave(requests, lambda i, r: results.__setitem__(i, r))
+    return sum(len(r.token_ids) for r in results.values()), time.perf_counter() - started
+
+
+old = baseline_engines()
+baseline_engine = old.TransformersEngine(models.load_model(path), tokenizer, max_batch=args.baseline_batch,
+                                         kv_capacity_tokens=10**7)
+baseline_tokens, baseline_s = decode_all(baseline_engine)
+del baseline_engine
+engine_tokens, engine_s = decode_all(engine)
 
 tokenizer.padding_side = "left"
 batch = tokenizer([tokenizer.decode(p) for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -79,6 +116,7 @@ for row in out[:, batch.input_ids.shape[1]:].tolist():
     ends = [i for i, t in enumerate(row) if t in eos]
     generate_tokens += ends[0] + 1 if ends else len(row)
 print(json.dumps({"engine_tokens": engine_tokens, "engine_s": round(engine_s, 2),
+                  "baseline_tokens": baseline_tokens, "baseline_s": round(baseline_s, 2),
                   "generate_tokens": generate_tokens, "generate_s": round(generate_s, 2)}), flush=True)
 
 # ---- 2. rollouts: our scheduler against the turn-synchronous loop
@@ -112,7 +150,10 @@ ours, sync = asyncio.run(main())
 ours_tps, sync_tps = ours["model_tokens"] / ours["wall_s"], sync["model_tokens"] / sync["wall_s"]
 print(json.dumps({
     "engine_tok_s": round(engine_tokens / engine_s, 1), "generate_tok_s": round(generate_tokens / generate_s, 1),
+    "baseline_engine_tok_s": round(baseline_tokens / baseline_s, 1),
+    "engine_over_baseline": round((engine_tokens / engine_s) / (baseline_tokens / baseline_s), 3),
     "engine_over_generate": round((engine_tokens / engine_s) / (generate_tokens / generate_s), 3),
+    "engine_batch": args.max_batch, "baseline_batch": args.baseline_batch, "baseline": args.baseline,
     "scheduler_tok_s": round(ours_tps, 1), "synchronous_tok_s": round(sync_tps, 1),
     "scheduler_over_synchronous": round(ours_tps / sync_tps, 3),
     "rollouts": args.problems * args.samples, "max_response_tokens": args.max_response_tokens,
