@@ -119,7 +119,8 @@ class Config:
 PRESETS = {
     # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 take ~35 minutes.
     # Measured (README): SFT ~9.5 min (304 examples, bf16 autocast where the CPU has bf16 units); a step
-    # (8 problems x 8 rollouts, then the update) about 4 min; RL 24-30 min.
+    # (8 problems x 8 rollouts, then the update) about 4 min before the faster engine and update, 277 s against
+    # 426 s since on a slower AVX2-only host (docs/benchmarks.md, "One RL step").
     # Problems: the two generator families in which the 135M model after SFT is sometimes right and sometimes
     # wrong (measured at T = 1, 3 problems x 8 samples each: product 12/24, modular_power 9/24; the other nine
     # families 0/24). A group of all-wrong rollouts has zero advantage and teaches nothing: on all eleven
