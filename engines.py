@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -171,6 +172,10 @@ class TransformersEngine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.prefix_ids = shared_prompt_prefix(tokenizer) if share_prefix else []
         self._prefix_kv = None            # [(keys, values)] per layer of prefix_ids, for the current weights
+        # the KV of rows that stopped at a tool call, until their continuation comes: {(problem, sample):
+        # (context ids it covers, has_prefix, [(keys, values)] per layer)}; dropped at a weight sync
+        self._kept_kv: OrderedDict = OrderedDict()
+        self.reused_tokens = 0            # prefill tokens taken from _kept_kv instead of recomputed
         if self.prefix_ids:
             use_shared_prefix_attention(self.model)
         self._queue: list[tuple[GenRequest, asyncio.Future]] = []
@@ -212,6 +217,7 @@ class TransformersEngine:
 
         with self._weights_lock:
             self._prefix_kv = None
+            self._kept_kv.clear()
             if weights is self.model:
                 return
             state = weights.state_dict() if hasattr(weights, "state_dict") else weights
@@ -303,6 +309,8 @@ class TransformersEngine:
                         if why is None:
                             keep.append(j)
                         else:
+                            if why == "tool" and row.req.key:   # its continuation comes back after the tool
+                                self._keep_kv(row, j, cache)
                             on_finish(row.item, GenResult(row.new_ids, row.new_lps, why))
                     if len(keep) < len(rows):  # drop stopped rows from the batch and its KV cache
                         rows = [rows[j] for j in keep]
@@ -342,30 +350,76 @@ class TransformersEngine:
             self._prefix_kv = [(layer.keys, layer.values) for layer in cache.layers]
         return self._prefix_kv
 
+    def _keep_kv(self, row, j: int, cache) -> None:
+        """Keep row j's own KV columns (its context and all it generated but the last token, whose KV is not
+        computed yet) for the continuation of its trajectory after the tool call: that request then prefills
+        only the tool's response and the tokens after it (_prefill). At most max_batch rows are kept."""
+        n = row.own_len + len(row.new_ids) - 1
+        end = cache.get_seq_length()
+        kv = [(layer.keys[j:j + 1, :, end - n:end].clone(), layer.values[j:j + 1, :, end - n:end].clone())
+              for layer in cache.layers]
+        self._kept_kv[row.req.key[:2]] = (row.req.ids + row.new_ids[:-1], row.has_prefix, kv)
+        while len(self._kept_kv) > self.max_batch:
+            self._kept_kv.popitem(last=False)
+
+    def _kept_kv_for(self, req: GenRequest, has_prefix: bool, own_len: int):
+        """The kept KV of this request's own first tokens (at most own_len - 1 of them: one token at least runs,
+        for its logits), when the kept row's context is where this request's context begins; else None."""
+        kept = self._kept_kv.pop(req.key[:2], None) if req.key else None
+        if kept is None:
+            return None
+        ids, kept_has_prefix, kv = kept
+        if kept_has_prefix != has_prefix or req.ids[:len(ids)] != ids:
+            return None
+        n = min(kv[0][0].shape[2], own_len - 1)
+        return [(k[:, :, :n], v[:, :, :n]) for k, v in kv] if n > 0 else None
+
     def _prefill(self, items):
         """Prefill new requests as one batch on top of the shared prefix: returns their rows, their cache
-        (columns: left padding, own tokens; the prefix stays shared) and the logits of their next token."""
+        (columns: left padding, own tokens; the prefix stays shared) and the logits of their next token.
+
+        A continuation whose trajectory's KV was kept at its tool call (_keep_kv) takes those columns as they
+        are; the forward covers only the last W columns, W = the most tokens any newcomer lacks (the tool's
+        response and what follows it, or a fresh request's whole own context):
+
+            row b:  [padding | kept KV of its first own_len - W tokens | its last W tokens, forwarded]"""
         import torch
 
         P = len(self.prefix_ids)
-        rows = []
+        rows, kept = [], []
         for req, *_ in items:
             has_prefix = P > 0 and len(req.ids) > P and req.ids[:P] == self.prefix_ids
             own = req.ids[P:] if has_prefix else req.ids
             rows.append(_Row(items[len(rows)], req, torch.Generator(device=self.device).manual_seed(req.seed),
                              has_prefix, own_len=len(own), next_pos=len(req.ids)))
-        width = max(r.own_len for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        pos = torch.zeros((len(rows), width), dtype=torch.long)
+            kept.append(self._kept_kv_for(req, has_prefix, len(own)))
+        lacking = [r.own_len - (kv[0][0].shape[2] if kv else 0) for r, kv in zip(rows, kept)]
+        width, W = max(r.own_len for r in rows), max(lacking)
+        ids = torch.full((len(rows), W), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((len(rows), W), dtype=torch.long)
         for b, row in enumerate(rows):
-            own = row.req.ids[-row.own_len:]
-            ids[b, width - row.own_len:] = torch.tensor(own)
-            first = P if row.has_prefix else 0
-            pos[b, width - row.own_len:] = torch.arange(first, first + row.own_len)
+            n = min(row.own_len, W)                  # this row's tokens in the forward window
+            ids[b, W - n:] = torch.tensor(row.req.ids[-n:])
+            first = (P if row.has_prefix else 0) + row.own_len - n
+            pos[b, W - n:] = torch.arange(first, first + n)
             row.start = width - row.own_len
         cache = new_cache(None)
+        if width > W:   # the kept columns in front of the window (a row with own_len > W has kept KV)
+            some = next(kv for kv in kept if kv)
+            layers = []
+            for i in range(len(some)):
+                k = some[i][0].new_zeros((len(rows), some[i][0].shape[1], width - W, some[i][0].shape[3]))
+                v = torch.zeros_like(k)
+                for b, (row, kv) in enumerate(zip(rows, kept)):
+                    n = row.own_len - W              # columns this row takes from its kept KV
+                    if n > 0:
+                        k[b, :, width - W - n:] = kv[i][0][0, :, :n]
+                        v[b, :, width - W - n:] = kv[i][1][0, :, :n]
+                layers.append((k, v))
+            cache = new_cache(layers, room=W + 1)
+            self.reused_tokens += sum(max(0, r.own_len - W) for r in rows)
         self.waves += 1
-        self.prefill_tokens += sum(r.own_len for r in rows)
+        self.prefill_tokens += sum(min(r.own_len, W) for r in rows)
         logits = self._forward(rows, ids.to(self.device), pos.to(self.device), cache)
         return rows, cache, logits
 

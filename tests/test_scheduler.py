@@ -659,6 +659,38 @@ def test_a_bf16_engine_copy_samples_the_fp32_policy_closely(tokenizer, tiny):
     assert 0 < diff.mean() < 0.05, diff
 
 
+def test_a_continuation_reuses_the_kv_kept_at_its_tool_call_and_gets_what_it_gets_alone(tokenizer, tiny):
+    """A row that stops at a tool call leaves its KV in the engine; its continuation (the same context + the
+    tool's response) prefills only what is new, in one batch with a fresh request of another length. Each gets
+    the tokens and log-probs it gets decoded alone on a fresh engine, and the kept KV was really used."""
+    engine = S.TransformersEngine(tiny, tokenizer, max_batch=4)
+    prompts = [S.render_prompt(tokenizer, f"question {i} " + "pad " * (7 * i)) for i in range(3)]
+    probe = wave(engine, [S.GenRequest(p, 12, temperature=1.0, seed=i, stop_text="@@") for i, p in enumerate(prompts)])
+    # stop each first turn where its 6th token is decoded, as a "</tool_call>" would stop it
+    first = [S.GenRequest(p, 40, temperature=1.0, seed=i, key=(i, 0, 0),
+                          stop_text=tokenizer.decode(r.token_ids[5:6]).strip() or "@@")
+             for i, (p, r) in enumerate(zip(prompts, probe))]
+    turn1 = wave(engine, first)
+    assert [r.finish for r in turn1] == ["tool"] * 3
+    tool = S.encode(tokenizer, "<|im_start|>user\n<tool_response>42</tool_response><|im_end|>\n")
+    second = [S.GenRequest(req.ids + r.token_ids + tool, 10, temperature=1.0, seed=10 + i, key=(i, 0, 1),
+                           stop_text="@@") for i, (req, r) in enumerate(zip(first, turn1))]
+    fresh = S.GenRequest(S.render_prompt(tokenizer, "a fresh question " + "pad " * 30), 10, temperature=1.0,
+                         seed=99, key=(7, 0, 0), stop_text="@@")
+    # two continuations together: each recomputes only the tool's response and its own last token
+    got = wave(engine, second[:2])
+    assert engine.reused_tokens >= sum(len(first[i].ids) - len(engine.prefix_ids) + len(turn1[i].token_ids) - 1
+                                       for i in range(2))
+    # a continuation with a fresh request of a longer own context: the window is the fresh one's
+    reused = engine.reused_tokens
+    got += wave(engine, [second[2], fresh])
+    assert engine.reused_tokens > reused
+    for req, r in zip(second + [fresh], got):
+        alone = wave(S.TransformersEngine(tiny, tokenizer, max_batch=1), [req])[0]
+        assert r.token_ids == alone.token_ids and r.finish == alone.finish
+        assert torch.allclose(torch.tensor(r.logprobs), torch.tensor(alone.logprobs), atol=1e-4)
+
+
 def test_engine_load_weights_in_place(tokenizer, tiny):
     engine = S.TransformersEngine(models.tiny_model(tokenizer, seed=0), tokenizer)
     pointers = [p.data_ptr() for p in engine.model.parameters()]
