@@ -135,14 +135,17 @@ class TransformersEngine:
     the slowest row). Every row samples with its request's own generator, so its tokens do not depend on which
     other requests share the batch.
 
-    Three things make it fast on a CPU, measured in bench/bench_rollout.py:
+    What makes it fast on a CPU, measured in bench/bench_rollout.py and bench/bench_rl_step.py:
       * the shared prefix: every prompt starts with the same ~450-token system prompt and tool schema. Its KV
         is computed once per weight version and held once for the whole batch; only the rest of the context
         is prefilled (that prefill used to cost more than all the decoding), and attention reads the prefix
         once per step for all rows (shared_prefix_attention) instead of once per row;
       * a KV buffer with room to grow (growing_kv_layer), instead of transformers' DynamicCache which copies
         the whole cache at every step;
-      * sampling by inverse CDF (sample_rows).
+      * a row that stops at a tool call keeps its KV until its continuation comes (_keep_kv), which then
+        prefills only the tool's response and what follows;
+      * sampling by inverse CDF (sample_rows), and the vocabulary projection as W h^T
+        (output_projection_transposed).
 
     KV layout: the shared prefix (P columns, one copy), then the batch's cache, one column per cached token
     (all rows append the next token in the same column):

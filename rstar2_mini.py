@@ -119,14 +119,14 @@ class Config:
 PRESETS = {
     # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 take ~35 minutes.
     # Measured (README): SFT ~9.5 min (304 examples, bf16 autocast where the CPU has bf16 units); a step
-    # (8 problems x 8 rollouts, then the update) about 4 min before the faster engine and update, 277 s against
-    # 426 s since on a slower AVX2-only host (docs/benchmarks.md, "One RL step").
+    # (8 problems x 8 rollouts, then the update) about 4 min before the faster engine and update, 245 s against
+    # 431 s since on a slower AVX2-only host (docs/benchmarks.md, "One RL step").
     # Problems: the two generator families in which the 135M model after SFT is sometimes right and sometimes
     # wrong (measured at T = 1, 3 problems x 8 samples each: product 12/24, modular_power 9/24; the other nine
     # families 0/24). A group of all-wrong rollouts has zero advantage and teaches nothing: on all eleven
     # families 7 of 8 groups per step were dropped, on these two 1-3 of 8 (RESULTS.md).
-    # engine_batch=64: all 64 rollouts of a step decode together (tokens/s 83 against 66 at 32 rows: the
-    # weights are read once a step for twice the rows; bench/bench_rollout.py).
+    # engine_batch=64: all 64 rollouts of a step decode together (83 tok/s against 66 at 32 rows: a decode
+    # step reads the weights once for twice the rows; docs/design.md, the CPU engine).
     "cpu": dict(steps=6, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=512,
                 engine_batch=64,
                 draw_problems=8, max_draw_rounds=1, lr=2e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=2048,
