@@ -560,7 +560,7 @@ def test_sampled_tokens_follow_the_softmax_at_temperature():
     assert greedy == [0, 0, 0]
 
 
-def test_shared_prefix_attention_equals_sdpa_over_the_concatenated_cache():
+def test_shared_prefix_attention_equals_attention_written_out_on_each_rows_cache():
     """The engine's attention (the prefix's KV held once for all rows, GQA heads stacked into one matmul) against
     softmax(q k^T / sqrt(d) + mask) v written out on each row's own full cache [prefix | own columns], with
     padding, rows that do not see the prefix, and one query a row (decode) or several (prefill)."""
