@@ -20,7 +20,7 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from model import release_freed_memory
+from model import prefix_cache, release_freed_memory
 from protocol import TOOL_CALL_CLOSE, render_prompt
 
 # ----------------------------------------------------------------------------------------------------------
@@ -344,13 +344,9 @@ class TransformersEngine:
     def _shared_prefix_kv(self):
         """The KV of prefix_ids under the current weights, computed once per weight version."""
         import torch
-        from transformers import DynamicCache
 
         if self._prefix_kv is None and self.prefix_ids:
-            cache = DynamicCache()
-            ids = torch.tensor([self.prefix_ids], device=self.device)
-            self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-            self._prefix_kv = [(layer.keys, layer.values) for layer in cache.layers]
+            self._prefix_kv = prefix_cache(self.model, torch.tensor([self.prefix_ids], device=self.device))
         return self._prefix_kv
 
     def _keep_kv(self, row, j: int, cache) -> None:
