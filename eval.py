@@ -593,6 +593,7 @@ def summarize(problems, groups, ks=None) -> dict:
         "mixed_outcome_share": (sum(0 < sum(t.reward > 0 for t in g) < len(g) for g in groups) / len(groups)
                                 if groups and n > 1 else None),
         "distinct_programs_per_problem": distinct_programs_per_problem(groups),
+        "pass@1_by_family": pass_at_1_by_family(problems, groups),
     }
     for k in ks:
         if 1 < k <= n:
@@ -601,6 +602,16 @@ def summarize(problems, groups, ks=None) -> dict:
             votes = [majority_vote([extract_answer(t.model_text) for t in g[:k]]) for g in groups]
             out[f"maj@{k}"] = sum(v is not None and is_equiv(v, p.answer) for v, p in zip(votes, problems)) / len(groups)
     return out
+
+
+def pass_at_1_by_family(problems, groups) -> dict | None:
+    """{family: average pass@1 over its problems' samples}, for problems that name a family (the generator's,
+    or a file's subject field); None when none does."""
+    by = {}
+    for p, g in zip(problems, groups):
+        if getattr(p, "family", "") and g:
+            by.setdefault(p.family, []).extend(t.reward for t in g)
+    return {f: sum(r) / len(r) for f, r in sorted(by.items())} or None
 
 
 def evaluate(engines, pool, tokenizer, problems, n_samples: int, rollout_cfg, loop, seed: int = 0,
@@ -624,7 +635,15 @@ def markdown_table(name: str, s: dict) -> str:
     fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
     return ("| data | problems x samples | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 2) + "\n"
             f"| {name} | {s['problems']} x {s['samples_per_problem']} | " + " | ".join(fmt(s.get(k)) for k in keys)
-            + " |\n")
+            + " |\n" + family_table(s.get("pass@1_by_family")))
+
+
+def family_table(by_family: dict | None) -> str:
+    """pass@1 per family as a second markdown table ("" when the problems name no family)."""
+    if not by_family:
+        return ""
+    return ("\n| family | " + " | ".join(by_family) + " |\n|" + "---|" * (len(by_family) + 1) + "\n| pass@1 | "
+            + " | ".join(f"{v:.3f}" for v in by_family.values()) + " |\n")
 
 
 def show_trajectory(tokenizer, traj, gold: str, colour: bool) -> str:

@@ -69,6 +69,11 @@ class Config:
     data: str | None = None           # JSONL/JSON problems (default: the built-in integer-answer generator)
     levels: tuple[int, ...] = (1, 2)  # generator difficulty levels
     families: tuple[str, ...] = ()    # generator problem families (tasks.FAMILIES; empty: all of them)
+    # data by difficulty (paper section 4.3): a stage scans every (family, level) cell of families x levels and
+    # trains on those the current policy is sometimes right on; built-in generator only, not stage 3 (its own scan)
+    scan_problems: int = 0            # problems per cell in a scan (0: no scan, train on families x levels as given)
+    scan_samples: int = 4             # rollouts per scanned problem, at the training temperature
+    scan_every: int = 0               # steps between scans (0: one scan, at the start of the stage)
     # rollouts (paper section 2.1, 3.2)
     groups_per_step: int = 4          # informative problems per step (paper: 512 prompts)
     group_size: int = 4               # G, rollouts kept per problem after RoC (paper: 16)
@@ -121,17 +126,17 @@ PRESETS = {
     # Measured (README): SFT ~9.5 min (304 examples, bf16 autocast where the CPU has bf16 units); a step
     # (8 problems x 8 rollouts, then the update) about 4 min before the faster engine and update, 245 s against
     # 431 s since on a slower AVX2-only host (docs/benchmarks.md, "One RL step").
-    # Problems: the two generator families in which the 135M model after SFT is sometimes right and sometimes
-    # wrong (measured at T = 1, 3 problems x 8 samples each: product 12/24, modular_power 9/24; the other nine
-    # families 0/24). A group of all-wrong rollouts has zero advantage and teaches nothing: on all eleven
-    # families 7 of 8 groups per step were dropped, on these two 1-3 of 8 (RESULTS.md).
+    # Problems: every step trains on the generator cells (family, level) in which the policy is sometimes right,
+    # found by a scan of all eleven families (2 problems x 4 rollouts each) at the start and every 3 steps. A
+    # group of all-wrong rollouts has zero advantage and teaches nothing: on all eleven families unscanned, 7 of
+    # 8 groups per step were dropped (RESULTS.md). The held-out set spans all eleven families.
     # engine_batch=64: all 64 rollouts of a step decode together (83 tok/s against 66 at 32 rows: a decode
     # step reads the weights once for twice the rows; docs/design.md, the CPU engine).
     "cpu": dict(steps=6, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=512,
                 engine_batch=64,
                 draw_problems=8, max_draw_rounds=1, lr=2e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=2048,
-                eval_problems=16, eval_samples=2, hard_scan=32, sft_examples=304, levels=(1,),
-                families=("product", "modular_power")),
+                eval_problems=22, eval_samples=2, hard_scan=32, sft_examples=304, levels=(1,),
+                scan_problems=2, scan_samples=4, scan_every=3),
     # One 8-GPU node: the paper's numbers (Table/section 4); lengths per stage come from STAGES below.
     "paper": dict(steps=300, groups_per_step=512, group_size=16, oversample=2, max_turns=10,
                   max_response_tokens=8192, lr=1e-6, warmup_steps=20, minibatches=1, micro_batch_tokens=32768,
@@ -158,13 +163,15 @@ def log(msg: str) -> None:
 # Problems: the built-in generator (seeded, a data cursor makes resume exact) or a file
 
 
-def load_problem_source(cfg: Config):
-    """A function index -> tasks.Problem: the training stream the data cursor walks along."""
+def load_problem_source(cfg: Config, cells=None):
+    """A function index -> tasks.Problem: the training stream the data cursor walks along. `cells`: only these
+    (family, level) pairs of the generator (a difficulty scan's choice)."""
     import tasks
 
     if cfg.data is None:
         families = cfg.families or None
-        return lambda i: tasks.problem_at(i, seed=cfg.seed, split="train", levels=cfg.levels, families=families)
+        return lambda i: tasks.problem_at(i, seed=cfg.seed, split="train", levels=cfg.levels, families=families,
+                                          cells=cells)
     try:
         problems = tasks.load_problems(tasks.resolve_dataset(cfg.data))
     except (tasks.DataError, FileNotFoundError, ValueError) as e:
@@ -308,7 +315,7 @@ def heldout_accuracy(rt: Runtime, cfg: Config, problems) -> dict:
     return {"heldout_acc": s["pass@1"], "heldout_tool_error_rate": s["tool_error_rate"],
             "heldout_tool_error_rate_correct": s["tool_error_rate_correct"],
             "heldout_response_len": s["response_len"], "heldout_valid_tool_call": s["valid_tool_call_share"],
-            "heldout_answer_format": s["answer_format_share"]}
+            "heldout_answer_format": s["answer_format_share"], "heldout_acc_by_family": s["pass@1_by_family"]}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -343,8 +350,10 @@ def make_optimizer(model, cfg: Config):
 
 def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at, start=None,
                 reset_optimizer: bool = False, loss_sign: float = 1.0, extra_state: dict | None = None) -> dict:
-    """The RL loop of one stage. `start` is the trainer state of a checkpoint to continue from (resume), or None;
-    extra_state goes into every checkpoint of the stage as it is (stage 3's hard subset).
+    """The RL loop of one stage. problem_at maps the data cursor to a problem; None: the stage chooses generator
+    cells by difficulty scans (cfg.scan_problems, scan_every) and walks the stream of those. `start` is the trainer
+    state of a checkpoint to continue from (resume), or None; extra_state goes into every checkpoint of the stage
+    as it is (stage 3's hard subset).
     Under torchrun, rank 0 does everything but the other ranks' share of the update (distributed.py)."""
     from tqdm.auto import tqdm
 
@@ -357,6 +366,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
         rt.model, optimizer = rt.accelerator.prepare(rt.model, optimizer)
     step, cursor = 0, 0
     rng = random.Random(cfg.seed)
+    scanning, cells, scan_step = problem_at is None, None, 0  # the cells of the latest scan and its step
     if start is not None:
         if start.get("world", 1) != DIST.world:
             raise UsageError(f"the checkpoint was written by {start.get('world', 1)} process(es) and this run has "
@@ -368,15 +378,15 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
             step, cursor = start["step"], start["cursor"]
             rng.setstate(start["roc_rng"])
             set_rng_state(start["rng"])
+            if scanning and start.get("cells") is not None:  # the data the stage was on, not a new scan
+                cells, scan_step = [tuple(c) for c in start["cells"]], start["scan_step"]
+                problem_at = load_problem_source(cfg, cells)
         elif stage == "2":  # stage 2 trains on the same data with a longer budget: continue the data cursor
             cursor = start.get("cursor", 0)
     metrics_path = run_dir / "metrics.jsonl"
-    if lead and step == 0 and metrics_path.exists():
-        metrics_path.unlink()
-    if lead and step > 0 and metrics_path.exists():  # drop lines logged after the checkpoint (a run killed mid-way)
-        rows = [line for line in metrics_path.read_text().splitlines() if line.strip()]
-        rows = [r for r in rows if json.loads(r).get("step", 0) <= step]
-        metrics_path.write_text("".join(r + "\n" for r in rows))
+    if lead:  # a fresh stage starts these files anew; a resumed one drops lines logged after its checkpoint
+        keep_lines_up_to(metrics_path, step if step > 0 else -1)
+        keep_lines_up_to(run_dir / "scan.jsonl", scan_step if cells is not None else -1)
 
     import tasks
 
@@ -393,9 +403,13 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     last = {}
     while step < cfg.steps:
         t0 = time.time()
+        if scanning and (cells is None or (cfg.scan_every > 0 and step - scan_step >= cfg.scan_every)):
+            cells, scan_step = on_rank0(choose_cells, rt, cfg, stage, step, run_dir), step
+            problem_at = load_problem_source(cfg, cells)
         kept, stats, all_trajs = [], {}, []
         if lead:
             kept, stats, cursor, all_trajs = select_step_batch(rt, cfg, problem_at, cursor, step, rng)
+            stats["cells_trained"] = len(cells) if cells is not None else None
             models.release_freed_memory()
         kept, roc_rng = from_rank0((kept, rng.getstate()))  # every rank updates on the same batch, same order
         rng.setstate(roc_rng)
@@ -419,7 +433,8 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
             if lead:
                 state = {"step": step, "cursor": cursor, "stage": stage, "optimizer": opt_state,
                          "schedule": schedule.state_dict(), "rng": rng_state(), "roc_rng": rng.getstate(),
-                         "world": DIST.world, "config": dataclasses.asdict(cfg), **(extra_state or {})}
+                         "world": DIST.world, "config": dataclasses.asdict(cfg), "cells": cells,
+                         "scan_step": scan_step, **(extra_state or {})}
                 save_checkpoint(run_dir, unwrapped(rt), rt.tokenizer, state, weights=weights)
                 plot_curves(metrics_path, run_dir / "curves.png")
             del weights, opt_state
@@ -458,6 +473,58 @@ def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, sta
         log(f"[stage {stage}] held-out accuracy after step {step}: {row['heldout_acc']:.3f} "
             f"({cfg.eval_problems} problems x {cfg.eval_samples} samples)")
     return row
+
+
+def keep_lines_up_to(path: Path, step: int) -> None:
+    """Drop the JSON lines of `path` whose "step" is past `step` (-1: all of them, for a fresh stage)."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    path.write_text("".join(r + "\n" for r in rows if json.loads(r).get("step", 0) <= step))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Each stage's data by difficulty (paper section 4.3: stages move to harder data as the policy learns). A scan
+# samples every generator cell (family, level); the stage trains on the cells the current policy is sometimes
+# right on, where groups have mixed rewards and so an advantage. Rescanned every scan_every steps, the choice
+# grows with the policy: a family it learns to solve sometimes joins, one it always solves leaves.
+
+
+def difficulty_scan(rt: Runtime, cfg: Config, step: int) -> dict:
+    """{(family, level): pass rate}: scan_problems fresh train problems per cell x scan_samples rollouts each, at
+    the training temperature (the sampler the stage's groups will come from)."""
+    import tasks
+
+    cells = [(family, level) for family in (cfg.families or tasks.FAMILIES) for level in cfg.levels]
+    first = step * cfg.scan_problems  # every scan sees new problems of each cell
+    problems = [tasks.problem_at(first + i, seed=cfg.seed + 4099, split="train", cells=[cell])
+                for cell in cells for i in range(cfg.scan_problems)]
+    groups = generate_groups(rt, cfg, problems, cfg.scan_samples, seed=cfg.seed * 7919 + step)
+    rewards = [[t.reward for group in groups[k * cfg.scan_problems:(k + 1) * cfg.scan_problems] for t in group]
+               for k in range(len(cells))]
+    return {cell: sum(r) / len(r) for cell, r in zip(cells, rewards)}
+
+
+def sometimes_right(rates: dict) -> list:
+    """The cells with 0 < pass rate < 1. Where there is none: the cells it is ever right on, else all of them
+    (dynamic sampling then drops the all-equal groups; the log says so)."""
+    return ([c for c, r in rates.items() if 0 < r < 1] or [c for c, r in rates.items() if r > 0] or list(rates))
+
+
+def choose_cells(rt: Runtime, cfg: Config, stage: str, step: int, run_dir: Path) -> list:
+    """A difficulty scan, its choice, one log line and a line of run_dir/scan.jsonl."""
+    t0 = time.time()
+    rates = difficulty_scan(rt, cfg, step)
+    cells = sometimes_right(rates)
+    mixed = sum(0 < r < 1 for r in rates.values())
+    name = {c: f"{c[0]}/L{c[1]}" for c in rates}
+    log(f"[stage {stage}] difficulty scan at step {step} ({cfg.scan_problems} x {cfg.scan_samples} per cell, "
+        f"{time.time() - t0:.0f} s): training on {', '.join(f'{name[c]} {rates[c]:.2f}' for c in cells)}"
+        + ("" if mixed else " (no cell is sometimes right: this is the fallback)"))
+    with (run_dir / "scan.jsonl").open("a") as f:
+        f.write(json.dumps({"step": step, "rates": {name[c]: r for c, r in rates.items()},
+                            "cells": [name[c] for c in cells], "scan_time_s": round(time.time() - t0, 1)}) + "\n")
+    return cells
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -649,7 +716,8 @@ def run_rl_stage(cfg: Config, stage: str, base_model: Path, loss_sign: float = 1
             start = torch.load(init / "trainer_state.pt", weights_only=False)
     rt = build_runtime(scfg, init)
     try:
-        problem_at = load_problem_source(scfg)
+        scans = scfg.scan_problems > 0 and scfg.data is None and stage != "3"
+        problem_at = None if scans else load_problem_source(scfg)  # None: train_stage's difficulty scans choose
         extra = {}
         if stage == "3":
             hard = stage3_subset(rt, scfg, problem_at, start)

@@ -504,10 +504,16 @@ def is_heldout(family: str, params: dict) -> bool:
 
 
 def problem_at(index: int, seed: int, split: str = "train", levels: Sequence[int] = (1, 2),
-               families: Sequence[str] | None = None) -> Problem:
-    """The index-th problem of the (seed, split, levels, families) stream; the same arguments, the same problem."""
+               families: Sequence[str] | None = None, cells: Sequence[tuple[str, int]] | None = None) -> Problem:
+    """The index-th problem of the (seed, split, levels, families) stream; the same arguments, the same problem.
+    `cells` [(family, level), ...] replaces families x levels by just those pairs (a stage's difficulty scan
+    chooses them: rstar2_mini.sometimes_right)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    if cells is not None:
+        bad = [c for c in cells if c[0] not in FAMILIES or c[1] not in LEVELS]
+        if not cells or bad:
+            raise ValueError(f"cells must be (family, level) pairs of {', '.join(FAMILIES)} x {LEVELS}, got {bad}")
     if not levels or any(level not in LEVELS for level in levels):
         raise ValueError(f"levels must be a non-empty subset of {LEVELS}, got {tuple(levels)}")
     names = list(FAMILIES) if families is None else list(families)
@@ -517,8 +523,11 @@ def problem_at(index: int, seed: int, split: str = "train", levels: Sequence[int
     # One RNG per index, seeded from a string (Random hashes str seeds with sha512: stable across processes).
     rng = random.Random(f"rstar2-tasks:{seed}:{split}:{index}")
     for _ in range(1000):   # a train draw is kept 9 times in 10, a held-out draw 1 time in 10
-        family = rng.choice(names)
-        level = rng.choice(list(levels))
+        if cells is not None:
+            family, level = rng.choice(list(cells))
+        else:
+            family = rng.choice(names)
+            level = rng.choice(list(levels))
         question, answer, params = FAMILIES[family](rng, level)
         if is_heldout(family, params) == (split == "heldout"):
             problem_id = f"{family}-L{level}-{stable_hash(question):016x}"

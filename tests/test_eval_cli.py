@@ -38,6 +38,18 @@ def test_summary_numbers_by_hand():
     assert s["answer_format_share"] == 0.5
     assert s["maj@2"] in (0.0, 0.5)               # a 1-1 tie: the first answer seen wins
     assert s["mixed_outcome_share"] == 0.5        # problem 1: one right, one wrong; problem 2: both wrong
+    assert s["pass@1_by_family"] is None          # these problems name no family
+
+
+def test_pass_at_1_by_family_averages_each_familys_samples():
+    class P:
+        def __init__(self, family):
+            self.answer, self.family = "7", family
+
+    groups = [[graded(1.0), graded(0.0)], [graded(1.0), graded(1.0)], [graded(0.0), graded(0.0)]]
+    s = E.summarize([P("product"), P("binomial"), P("product")], groups, ks=())
+    assert s["pass@1_by_family"] == {"binomial": 1.0, "product": 0.25}   # product: 1 right of its 4 samples
+    assert "| family | binomial | product |\n|---|---|---|\n| pass@1 | 1.000 | 0.250 |" in E.markdown_table("heldout", s)
 
 
 def test_distinct_programs_count_each_problems_different_first_calls():

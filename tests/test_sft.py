@@ -125,6 +125,25 @@ def test_naming_the_result_keeps_what_every_chore_program_prints():
                 assert run_here(named, stdin).strip() == run_here(code, stdin).strip() == chore.answer, named
 
 
+def test_the_everyday_math_chores_print_their_answer_in_every_style():
+    """Range loops, math.comb / math.perm, sympy, int(text, base), numbers read from a sentence: each chore's
+    answer is computed once in the generator, and every program (a loop, a formula, a library call, stdin) must
+    print exactly it, over enough seeds to reach every kind of question."""
+    import random
+
+    import chores
+    kinds = {chores.range_count: 3, chores.range_total: 2, chores.choose_ways: 3, chores.sympy_chore: 5,
+             chores.hex_color: 3, chores.number_in_sentence: 3}
+    for chore_fn, n_kinds in kinds.items():
+        seen = set()
+        for seed in range(40):
+            chore = chore_fn(random.Random(seed))
+            seen.add(chore.what.split(" with ")[0].rstrip("0123456789 "))
+            for code, stdin in chore_programs(chore):
+                assert run_here(code, stdin).strip() == chore.answer, (chore.question, code)
+        assert len(seen) == n_kinds, (chore_fn.__name__, seen)
+
+
 def test_most_generated_programs_are_shallow(tokenizer, examples):
     """The share of first programs whose deepest line nests brackets 3 or more levels (the lines a 135M model
     most often closes wrongly) stays small: 34% before the programs named their result, about 15% now."""

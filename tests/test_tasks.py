@@ -201,6 +201,16 @@ def test_families_filter_and_wording_varies():
         assert len(shapes) >= 2, family    # several templates per family
 
 
+def test_cells_draw_only_those_family_level_pairs_and_keep_the_split():
+    """A difficulty scan's choice [(family, level)] makes a stream of just those pairs, each of them drawn, and the
+    train stream still never yields a held-out problem."""
+    cells = [("binomial", 1), ("product", 2), ("fibonacci", 3)]
+    problems = [tasks.problem_at(i, seed=7, cells=cells) for i in range(150)]
+    assert {(p.family, p.level) for p in problems} == set(cells)
+    heldout = {p.question for p in tasks.heldout_problems(40, seed=7, levels=(1, 2, 3))}
+    assert not heldout & {p.question for p in problems}
+
+
 def test_problem_at_rejects_bad_arguments():
     with pytest.raises(ValueError, match="split"):
         tasks.problem_at(0, 0, split="test")
@@ -208,6 +218,10 @@ def test_problem_at_rejects_bad_arguments():
         tasks.problem_at(0, 0, levels=(4,))
     with pytest.raises(ValueError, match="known: product"):
         tasks.problem_at(0, 0, families=["calculus"])
+    with pytest.raises(ValueError, match="cells"):
+        tasks.problem_at(0, 0, cells=[("product", 4)])
+    with pytest.raises(ValueError, match="cells"):
+        tasks.problem_at(0, 0, cells=[])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -243,6 +243,82 @@ def test_stage3_resume_takes_the_hard_subset_from_the_checkpoint(monkeypatch):
     assert R.stage3_subset(None, cfg, None, {"stage": "3", "hard_subset": [1, 2]}) == [1, 2]   # resumed
 
 
+def scan_world(monkeypatch):
+    """A fake sampler for difficulty scans: a scan's rollouts (n = scan_samples = 4) are right at a rate fixed per
+    family, which changes at step 2 as if the policy had learned (binomial goes from never to sometimes right);
+    training rollouts (n = 2G = 6) are all right, so no step updates. Records every training problem."""
+    rate = {"product": [1, 0, 0, 0], "modular_power": [1, 1, 1, 1], "gcd_lcm": [0, 1, 1, 0]}
+    trained = []
+
+    def fake_groups(rt, cfg, problems, n, seed, **kw):
+        step = seed - cfg.seed * 7919
+        groups = []
+        for p in problems:
+            if n == cfg.scan_samples:
+                r = rate.get(p.family, [0] * 4) if p.family != "binomial" or step < 2 else [0, 0, 1, 0]
+            else:
+                trained.append(p)
+                r = [1] * n
+            groups.append([scheduler.Trajectory(p.id, [1], [scheduler.Segment([2], 1)], reward=float(x)) for x in r])
+        return groups
+
+    monkeypatch.setattr(R, "generate_groups", fake_groups)
+    return trained
+
+
+def test_sometimes_right_keeps_the_cells_with_mixed_outcomes():
+    """The rule written out: 0 < pass rate < 1; else the cells ever right; else every cell."""
+    rates = {("a", 1): 0.0, ("b", 1): 0.25, ("c", 1): 1.0, ("d", 2): 0.5}
+    assert R.sometimes_right(rates) == [("b", 1), ("d", 2)]
+    assert R.sometimes_right({("a", 1): 0.0, ("c", 1): 1.0}) == [("c", 1)]
+    assert R.sometimes_right({("a", 1): 0.0, ("b", 1): 0.0}) == [("a", 1), ("b", 1)]
+
+
+def test_difficulty_scans_choose_the_cells_rescan_and_resume_without_a_new_scan(tmp_path, tokenizer, monkeypatch):
+    """A stage without problem_at scans all eleven families at step 0 and every scan_every steps, trains only on
+    the sometimes-right cells (counted here from the fake sampler's rates), and a run resumed between two scans
+    takes its cells from the checkpoint: it trains on the same problems as the uninterrupted run and logs the
+    same scans."""
+    import asyncio
+
+    trained = scan_world(monkeypatch)
+    cfg = R.Config(steps=4, scan_problems=2, scan_samples=4, scan_every=2, levels=(1,), groups_per_step=2,
+                   group_size=3, oversample=2, draw_problems=2, max_draw_rounds=1, eval_problems=0, save_every=1,
+                   samples_per_step=0, warmup_steps=1)
+
+    def run(d, start=None, steps=4):
+        rt = R.Runtime(model=models.tiny_model(tokenizer), tokenizer=tokenizer, engines=[], pool=None,
+                       loop=asyncio.new_event_loop())
+        try:
+            R.train_stage(rt, dataclasses.replace(cfg, steps=steps), "1", d, None, start=start)
+        finally:
+            rt.loop.close()
+        return [json.loads(x) for x in (d / "scan.jsonl").read_text().splitlines()]
+
+    a = tmp_path / "a"
+    a.mkdir()
+    scans = run(a)
+    assert [s["step"] for s in scans] == [0, 2]
+    assert len(scans[0]["rates"]) == 11 and scans[0]["rates"]["product/L1"] == 0.25
+    assert scans[0]["cells"] == ["product/L1", "gcd_lcm/L1"]             # 0 < rate < 1; modular_power is 1.0
+    assert scans[1]["cells"] == ["product/L1", "binomial/L1", "gcd_lcm/L1"]  # binomial joined
+    families = [p.family for p in trained]
+    assert len(families) == 8 and set(families[:4]) <= {"product", "gcd_lcm"} and "binomial" in families[4:]
+    rows = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
+    assert [r["cells_trained"] for r in rows] == [2, 2, 3, 3]
+    ids_a = [p.id for p in trained]
+
+    b = tmp_path / "b"
+    b.mkdir()
+    trained.clear()
+    run(b, steps=3)
+    state = torch.load(R.latest_checkpoint(b) / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 3 and state["scan_step"] == 2 and len(state["cells"]) == 3
+    scans_b = run(b, start=state, steps=4)
+    assert len(scans_b) == 2 and all(dict(s, scan_time_s=0) == dict(t, scan_time_s=0) for s, t in zip(scans, scans_b))
+    assert [p.id for p in trained] == ids_a      # steps 1-3, then step 4 after the resume: the same problems
+
+
 # ---------------------------------------------------------------------------------------------------------
 # checkpoints: atomic pointer, the previous checkpoint survives a half-written one
 
@@ -485,7 +561,8 @@ def test_cli_unknown_option_override(tmp_path):
 def test_cli_generator_families(tmp_path):
     cfg = R.parse_args(["--set", "families=product, modular_power", "--set", "levels=1,2"])
     assert cfg.families == ("product", "modular_power") and cfg.levels == (1, 2)
-    assert R.parse_args([]).families == ("product", "modular_power")        # the CPU preset's two families
+    preset = R.parse_args([])
+    assert preset.families == () and preset.scan_problems > 0  # the CPU preset scans all eleven families
     assert R.parse_args(["--preset", "paper"]).families == ()                # the paper preset: all of them
     r = cli("--set", "families=product,bogus", "--out", str(tmp_path / "run"))
     assert r.returncode == 2 and "unknown families ['bogus']" in r.stderr and "Traceback" not in r.stderr
