@@ -701,8 +701,8 @@ CHORES = [packing, shopping, growth, square_side, count_matching, savings, rever
           named_value, named_value,  # twice as likely: the failure it addresses was the most common one
           # the everyday Python of math, about a quarter of the chores (loops over ranges the most: most
           # families need one)
-          range_count, range_count, range_total, range_total, choose_ways, sympy_chore, sympy_chore, hex_color,
-          number_in_sentence, number_in_sentence]
+          range_count, range_count, range_total, range_total, choose_ways, choose_ways, sympy_chore, sympy_chore,
+          hex_color, number_in_sentence, number_in_sentence]
 
 
 def chore_programs(chore: Chore) -> list[tuple[str, str]]:

@@ -7,7 +7,9 @@
         --out docs
 
 Writes docs/results-models.png (accuracy, valid tool calls, tool errors in correct trajectories, response length
-per model) and docs/results-training.png (training curves of the runs, overlaid), and prints the markdown table.
+per model), docs/results-training.png (training curves of the runs, overlaid) and docs/results-families.png
+(held-out pass@1 per generator family before and after each run, averaged over its seeds), and prints the
+markdown tables.
 Several metrics files may share a name (seeds): curves are drawn per file, the table gives mean and spread.
 The last line printed is one JSON object with every number.
 """
@@ -24,9 +26,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 MODEL_METRICS = [("pass@1", "accuracy (pass@1)"), ("valid_tool_call_share", "valid tool call share"),
                  ("tool_error_rate_correct", "tool error rate, correct trajectories"),
                  ("response_len", "mean response length (tokens)")]
-RUN_METRICS = [("reward", "training reward (all 2G rollouts)"), ("tool_error_rate_pos_kept",
-               "tool error rate, kept positives"), ("response_len", "response length (tokens)"),
-               ("groups_dropped_frac", "groups dropped (all-equal reward)")]
+RUN_METRICS = [("reward", "training reward (all 2G rollouts)"),
+               ("tool_error_rate_pos_all", "tool error rate, correct rollouts (all 2G)"),
+               ("response_len", "response length (tokens)"),
+               ("groups_dropped_frac", "groups dropped (all-equal reward)"),
+               ("cells_trained", "generator cells trained on (scan)"),
+               ("logprob_diff_mean", "engine vs trainer log-prob, mean abs diff")]
 
 
 def named_paths(items: list[str]) -> list[tuple[str, Path]]:
@@ -82,7 +87,8 @@ def main() -> None:
     # ---- runs: training curves, and the first-vs-last held-out numbers per run
     runs = named_paths(args.run)
     if runs:
-        fig, axes = plt.subplots(1, len(RUN_METRICS), figsize=(4 * len(RUN_METRICS), 3.4))
+        fig, axes = plt.subplots(2, (len(RUN_METRICS) + 1) // 2, figsize=(4 * ((len(RUN_METRICS) + 1) // 2), 6.4))
+        axes = axes.flatten()
         names = list(dict.fromkeys(n for n, _ in runs))
         per_name: dict[str, list[dict]] = {n: [] for n in names}
         for name, path in runs:
@@ -99,6 +105,8 @@ def main() -> None:
             first = read_jsonl(path)[0]
             last = rows[-1] if rows else {}
             per_name[name].append({"heldout_before": first.get("heldout_acc"), "heldout_after": last.get("heldout_acc"),
+                                   "families_before": first.get("heldout_acc_by_family"),
+                                   "families_after": last.get("heldout_acc_by_family"),
                                    "steps": last.get("step"), "wall_s": sum(r.get("step_time_s", 0) for r in rows)})
         axes[0].legend(fontsize=8)
         fig.tight_layout()
@@ -109,7 +117,40 @@ def main() -> None:
             report["runs"][name] = {"seeds": len(items), "runs": items,
                                     "heldout_after_mean": statistics.mean(after) if after else None,
                                     "heldout_after_stdev": statistics.stdev(after) if len(after) > 1 else None}
+        plot_families(per_name, out / f"{args.prefix}-families.png", report)
     print(json.dumps(report))
+
+
+def plot_families(per_name: dict, path: Path, report: dict) -> None:
+    """Held-out pass@1 per family: the first run's "before" (the shared starting model) and each name's "after",
+    averaged over its seeds. Prints the markdown table; skipped when no run logged per-family numbers."""
+    def mean_by_family(dicts):
+        dicts = [d for d in dicts if d]
+        return {f: statistics.mean(d[f] for d in dicts if f in d) for f in sorted({f for d in dicts for f in d})}
+
+    first = next(iter(per_name.values()))
+    bars = {"before RL": mean_by_family(i["families_before"] for i in first)}
+    bars.update({name: mean_by_family(i["families_after"] for i in items) for name, items in per_name.items()})
+    families = sorted({f for v in bars.values() for f in v})
+    if not families:
+        return
+    print("\n| held-out pass@1 | " + " | ".join(families) + " |\n|---|" + "---|" * len(families))
+    for name, v in bars.items():
+        print(f"| {name} | " + " | ".join(fmt(v.get(f)) for f in families) + " |")
+    report["families"] = bars
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(families) * len(bars)), 3.6))
+    width = 0.8 / len(bars)
+    for k, (name, v) in enumerate(bars.items()):
+        ax.bar([i + k * width for i in range(len(families))], [v.get(f, 0.0) for f in families], width, label=name,
+               color=f"C{k}")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(families))], families, rotation=30, fontsize=8)
+    ax.set_ylabel("held-out pass@1")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
