@@ -148,7 +148,7 @@ PRESETS = {
 STAGES = {
     "1": dict(paper=dict(max_response_tokens=8192, max_turns=10, steps=300), cpu=dict()),
     "2": dict(paper=dict(max_response_tokens=12288, max_turns=10, steps=85),
-              cpu=dict(max_response_tokens=768, steps=4)),
+              cpu=dict(max_response_tokens=768, steps=4, levels=(1, 2))),  # level 2 joins the scan
     "3": dict(paper=dict(max_response_tokens=12288, max_turns=15, steps=125),
               cpu=dict(max_response_tokens=768, max_turns=6, steps=4, levels=(2, 3))),
 }

@@ -108,8 +108,10 @@ def plot_curves(metrics_path: Path, out_png: Path) -> None:
               ("clip_frac", "clip fraction"), ("groups_dropped_frac", "groups dropped (fraction)"),
               ("step_time_s", "step time (s)"), ("reward_kept", "reward (kept after RoC)"),
               ("tool_error_rate_pos_kept", "tool error rate, kept correct"),
-              ("logprob_diff_mean", "|engine - trainer| log-prob")]
-    fig, axes = plt.subplots(3, 4, figsize=(16, 9))
+              ("tool_error_rate_pos_all", "tool error rate, all correct"),
+              ("logprob_diff_mean", "|engine - trainer| log-prob"),
+              ("cells_trained", "generator cells trained on (scan)")]
+    fig, axes = plt.subplots(3, 5, figsize=(20, 9))
     for ax, (key, title) in zip(axes.flat, panels):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
