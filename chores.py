@@ -10,8 +10,10 @@ to follow instructions and the answer format (30K). This module holds what such 
       -> sft_data.py drafts examples from them, runs every program in the sandbox and renders Trajectories
          -> sft.py trains on them
 
-Chores are deliberately *not* the families of tasks.py (products, modular powers, primes, divisors, gcd,
-binomials, Fibonacci, digit sums, bases): SFT teaches the format, RL must discover how to use it on math.
+Chores are deliberately *not* the questions of tasks.py's families (products, modular powers, primes, divisors,
+gcd, binomials, Fibonacci, digit sums, bases): SFT teaches the format and the everyday Python those need (loops
+over ranges, math.comb, sympy, int(text, base), numbers read from a sentence), RL must discover how to use it on
+math.
 Questions, phrasings and code styles (print(expr), variables, loops, functions, stdin) are drawn at random, so
 that no single template is memorised (why: sft_data.py).
 """
@@ -25,9 +27,9 @@ from datetime import date, timedelta
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Chores: general programming tasks where a tool helps. Deliberately *not* the families of tasks.py (products,
-# modular powers, primes, divisors, gcd, binomials, Fibonacci, digit sums, bases): SFT teaches the format, RL
-# must discover how to use it on math. Each chore gives a question, the expected stdout, and several programs in
+# Chores: general programming tasks where a tool helps. Deliberately *not* the questions of tasks.py's families
+# (products, modular powers, primes, divisors, gcd, binomials, Fibonacci, digit sums, bases): SFT teaches the
+# format, RL must discover how to use it on math. Each chore gives a question, the expected stdout, and several programs in
 # different styles. "DATA" in a program stands for the literal data; a program that starts with
 # `name = DATA` also gets a twin that reads the data from stdin (the tool's `input` argument).
 

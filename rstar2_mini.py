@@ -1,6 +1,6 @@
 """rstar2_mini.py - the rStar2-Agent training recipe in one readable loop (arXiv 2508.20722, section 4).
 
-    python rstar2_mini.py --stage 1                 # laptop CPU: SFT if missing, then RL stage 1 (~35 min, 2 cores)
+    python rstar2_mini.py --stage 1                 # laptop CPU: SFT if missing, then RL stage 1 (~75 min, 2 cores)
     python rstar2_mini.py --stage all               # sft -> 1 (8K) -> 2 (12K) -> 3 (hard problems)
     torchrun --nproc-per-node 8 rstar2_mini.py --stage all --preset paper --model M   # one 8-GPU node (README)
 
@@ -122,10 +122,10 @@ class Config:
 
 
 PRESETS = {
-    # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 take ~35 minutes.
-    # Measured (README): SFT ~9.5 min (304 examples, bf16 autocast where the CPU has bf16 units); a step
-    # (8 problems x 8 rollouts, then the update) about 4 min before the faster engine and update, 245 s against
-    # 431 s since on a slower AVX2-only host (docs/benchmarks.md, "One RL step").
+    # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 fit in about an hour
+    # where the CPU has bf16 units. Measured (README, RESULTS.md): SFT ~10 min with bf16 units, ~25-29 min in fp32
+    # on an AVX2-only host; there a step (8 problems x 8 rollouts, then the update) takes 4-6.5 min and a
+    # difficulty scan 5.5 min, 1 h 15 min for the whole command.
     # Problems: every step trains on the generator cells (family, level) in which the policy is sometimes right,
     # found by a scan of all eleven families (2 problems x 4 rollouts each) at the start and every 3 steps. A
     # group of all-wrong rollouts has zero advantage and teaches nothing: on all eleven families unscanned, 7 of
@@ -402,10 +402,10 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     bar = tqdm(total=cfg.steps, initial=step, desc=f"stage {stage} RL steps", unit="step", disable=not lead)
     last = {}
     while step < cfg.steps:
-        t0 = time.time()
         if scanning and (cells is None or (cfg.scan_every > 0 and step - scan_step >= cfg.scan_every)):
-            cells, scan_step = on_rank0(choose_cells, rt, cfg, stage, step, run_dir), step
+            cells, scan_step = on_rank0(choose_cells, rt, cfg, stage, step, run_dir), step  # its time: scan.jsonl
             problem_at = load_problem_source(cfg, cells)
+        t0 = time.time()
         kept, stats, all_trajs = [], {}, []
         if lead:
             kept, stats, cursor, all_trajs = select_step_batch(rt, cfg, problem_at, cursor, step, rng)
@@ -752,8 +752,8 @@ def parse_args(argv=None) -> Config:
         description=__doc__.split("\n\n")[0],
         epilog="stages:\n"
                "  sft  non-reasoning SFT: tool-call JSON format and answer format only (paper 4.1)\n"
-               "  1    RL stage 1: max length 8K, 10 turns (CPU preset: 768 tokens, 4 turns); runs SFT first\n"
-               "       when the run has no SFT checkpoint\n"
+               "  1    RL stage 1: max length 8K, 10 turns (CPU preset: 512 tokens, 4 turns) on the families a\n"
+               "       difficulty scan finds sometimes right; runs SFT first when the run has no SFT checkpoint\n"
                "  2    RL stage 2: max length 12K, from stage 1's final checkpoint\n"
                "  3    RL stage 3: 12K, 15 turns, on the problems the policy does not solve 8/8; optimizer reset\n"
                "  all  sft, 1, 2 and 3 in order\n")

@@ -31,7 +31,8 @@ RUN_METRICS = [("reward", "training reward (all 2G rollouts)"),
                ("response_len", "response length (tokens)"),
                ("groups_dropped_frac", "groups dropped (all-equal reward)"),
                ("cells_trained", "generator cells trained on (scan)"),
-               ("logprob_diff_mean", "engine vs trainer log-prob, mean abs diff")]
+               ("logprob_diff_mean", "engine vs trainer log-prob, mean abs diff"),
+               ("heldout_acc", "held-out pass@1 (T = 0.6)")]
 
 
 def named_paths(items: list[str]) -> list[tuple[str, Path]]:
@@ -92,10 +93,11 @@ def main() -> None:
         names = list(dict.fromkeys(n for n, _ in runs))
         per_name: dict[str, list[dict]] = {n: [] for n in names}
         for name, path in runs:
-            rows = [r for r in read_jsonl(path) if r.get("step", 0) > 0]
+            every = read_jsonl(path)
+            rows = [r for r in every if r.get("step", 0) > 0]
             colour = f"C{names.index(name)}"
             for ax, (key, title) in zip(axes, RUN_METRICS):
-                pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+                pts = [(r["step"], r[key]) for r in (every if key == "heldout_acc" else rows) if r.get(key) is not None]
                 if pts:
                     ax.plot(*zip(*pts), color=colour, marker="o", ms=3, alpha=0.8,
                             label=name if path == [p for n, p in runs if n == name][0] else None)
