@@ -29,8 +29,8 @@ from datetime import date, timedelta
 # ----------------------------------------------------------------------------------------------------------
 # Chores: general programming tasks where a tool helps. Deliberately *not* the questions of tasks.py's families
 # (products, modular powers, primes, divisors, gcd, binomials, Fibonacci, digit sums, bases): SFT teaches the
-# format, RL must discover how to use it on math. Each chore gives a question, the expected stdout, and several programs in
-# different styles. "DATA" in a program stands for the literal data; a program that starts with
+# format, RL must discover how to use it on math. Each chore gives a question, the expected stdout, and several
+# programs in different styles. "DATA" in a program stands for the literal data; a program that starts with
 # `name = DATA` also gets a twin that reads the data from stdin (the tool's `input` argument).
 
 WORDS = ("apple banana cherry dragon eagle forest garden harbor island jungle kettle lemon mountain needle orange "
