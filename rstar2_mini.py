@@ -515,15 +515,16 @@ def choose_cells(rt: Runtime, cfg: Config, stage: str, step: int, run_dir: Path)
     """A difficulty scan, its choice, one log line and a line of run_dir/scan.jsonl."""
     t0 = time.time()
     rates = difficulty_scan(rt, cfg, step)
+    seconds = time.time() - t0
     cells = sometimes_right(rates)
     mixed = sum(0 < r < 1 for r in rates.values())
     name = {c: f"{c[0]}/L{c[1]}" for c in rates}
     log(f"[stage {stage}] difficulty scan at step {step} ({cfg.scan_problems} x {cfg.scan_samples} per cell, "
-        f"{time.time() - t0:.0f} s): training on {', '.join(f'{name[c]} {rates[c]:.2f}' for c in cells)}"
+        f"{seconds:.0f} s): training on {', '.join(f'{name[c]} {rates[c]:.2f}' for c in cells)}"
         + ("" if mixed else " (no cell is sometimes right: this is the fallback)"))
     with (run_dir / "scan.jsonl").open("a") as f:
         f.write(json.dumps({"step": step, "rates": {name[c]: r for c, r in rates.items()},
-                            "cells": [name[c] for c in cells], "scan_time_s": round(time.time() - t0, 1)}) + "\n")
+                            "cells": [name[c] for c in cells], "scan_time_s": round(seconds, 1)}) + "\n")
     return cells
 
 
