@@ -543,16 +543,25 @@ def generate_problems(n: int, seed: int, split: str = "train", levels: Sequence[
 
 def heldout_problems(n: int = 64, seed: int = 1234, levels: Sequence[int] = (1, 2),
                      families: Sequence[str] | None = None) -> list[Problem]:
-    """A fixed evaluation set of n distinct held-out problems (never produced by the train split)."""
+    """A fixed evaluation set of n distinct held-out problems (never produced by the train split), stratified:
+    problem k comes from family k mod F and, once every family has had one, the next level in turn, so each
+    (family, level) cell holds floor(n / cells) or one more and a per-family pass@1 always has its samples."""
+    names = list(FAMILIES) if families is None else list(families)
+    cells = [(family, level) for level in levels for family in names]     # round-robin: families first
     problems: list[Problem] = []
     seen: set[str] = set()
-    index = 0
-    while len(problems) < n:
-        problem = problem_at(index, seed, "heldout", levels, families)
-        if problem.question not in seen:
-            seen.add(problem.question)
-            problems.append(problem)
-        index += 1
+    next_index = {cell: 0 for cell in cells}
+    for k in range(n):
+        cell = cells[k % len(cells)]
+        for _ in range(10_000):
+            problem = problem_at(next_index[cell], seed, "heldout", levels, names, cells=[cell])
+            next_index[cell] += 1
+            if problem.question not in seen:
+                break
+        else:
+            raise ValueError(f"cell {cell} has too few distinct held-out problems for a set of {n}")
+        seen.add(problem.question)
+        problems.append(problem)
     return problems
 
 

@@ -192,6 +192,21 @@ def test_heldout_set_is_fixed_distinct_and_honours_levels():
     assert tasks.heldout_problems(64, seed=99) != heldout
 
 
+def test_heldout_set_is_stratified_over_families_and_levels():
+    """Every family gets its share of the held-out set (n problems round-robin over families, then levels), so a
+    per-family pass@1 never rests on a family that the draw happened to leave out."""
+    from collections import Counter
+    problems = tasks.heldout_problems(22, levels=(1,))
+    assert Counter(p.family for p in problems) == {family: 2 for family in tasks.FAMILIES}
+    problems = tasks.heldout_problems(50, levels=(1, 2))
+    by_family = Counter(p.family for p in problems)
+    assert set(by_family) == set(tasks.FAMILIES) and max(by_family.values()) - min(by_family.values()) <= 1
+    by_cell = Counter((p.family, p.level) for p in problems)
+    assert max(by_cell.values()) - min(by_cell.values()) <= 1
+    two = tasks.heldout_problems(12, levels=(1,), families=["gcd_lcm", "product"])
+    assert Counter(p.family for p in two) == {"gcd_lcm": 6, "product": 6}
+
+
 def test_families_filter_and_wording_varies():
     problems = tasks.generate_problems(200, seed=3, families=["fibonacci", "product"], levels=(1,))
     assert {p.family for p in problems} == {"fibonacci", "product"}
