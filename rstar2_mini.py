@@ -439,8 +439,6 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
                 plot_curves(metrics_path, run_dir / "curves.png")
             del weights, opt_state
     bar.close()
-    if lead:
-        plot_curves(metrics_path, run_dir / "curves.png")
     return last
 
 

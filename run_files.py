@@ -119,8 +119,11 @@ def plot_curves(metrics_path: Path, out_png: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
+    for ax in axes.flat[len(panels):]:
+        ax.set_axis_off()
     fig.suptitle(f"{metrics_path.parent}", fontsize=10)
-    fig.tight_layout()
+    # fixed margins: tight_layout measures every tick label (a plot took 2.2-2.9 s with it, 1.3-1.5 s without)
+    fig.subplots_adjust(left=0.04, right=0.99, bottom=0.06, top=0.92, wspace=0.25, hspace=0.45)
     tmp = out_png.with_name(out_png.stem + ".tmp.png")
     fig.savefig(tmp, dpi=90)
     plt.close(fig)

@@ -283,7 +283,7 @@ def test_difficulty_scans_choose_the_cells_rescan_and_resume_without_a_new_scan(
 
     trained = scan_world(monkeypatch)
     cfg = R.Config(steps=4, scan_problems=2, scan_samples=4, scan_every=2, levels=(1,), groups_per_step=2,
-                   group_size=3, oversample=2, draw_problems=2, max_draw_rounds=1, eval_problems=0, save_every=1,
+                   group_size=3, oversample=2, draw_problems=2, max_draw_rounds=1, eval_problems=0, save_every=2,
                    samples_per_step=0, warmup_steps=1)
 
     def run(d, start=None, steps=4):
