@@ -8,9 +8,10 @@
 
 Writes docs/results-models.png (accuracy, valid tool calls, tool errors in correct trajectories, response length
 per model), docs/results-training.png (training curves of the runs, overlaid) and docs/results-families.png
-(held-out pass@1 per generator family before and after each run, averaged over its seeds), and prints the
-markdown tables.
-Several metrics files may share a name (seeds): curves are drawn per file, the table gives mean and spread.
+(held-out pass@1 per generator family for each model, from the eval results; without any, before and after each
+run), and prints the markdown tables.
+Several files may share a name (seeds): curves are drawn per file; tables give the mean and (min..max), the
+model plot the mean as a bar and each seed as a dot, the family plot the mean.
 The last line printed is one JSON object with every number.
 """
 import argparse
@@ -53,6 +54,14 @@ def fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}" if isinstance(x, float) and x < 10 else f"{x:.0f}"
 
 
+def spread(values: list) -> str:
+    """One value as is; several (seeds) as "mean (min..max)"."""
+    values = [v for v in values if v is not None]
+    if len(values) < 2:
+        return fmt(values[0] if values else None)
+    return f"{fmt(statistics.mean(values))} ({fmt(min(values))}..{fmt(max(values))})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--eval", action="append", default=[], help="NAME=result.json written by eval.py --out")
@@ -64,26 +73,36 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     report = {"models": {}, "runs": {}}
 
-    # ---- models: one eval.py result each
+    # ---- models: eval.py results; several under one name (seeds) give the mean and the spread (min..max)
     evals = [(name, json.loads(p.read_text())) for name, p in named_paths(args.eval)]
+    by_name: dict[str, list[dict]] = {}
+    for name, r in evals:
+        by_name.setdefault(name, []).append(r)
     if evals:
-        print("| model | " + " | ".join(title for _, title in MODEL_METRICS) + " |")
-        print("|---|" + "---|" * len(MODEL_METRICS))
-        for name, r in evals:
-            print(f"| {name} | " + " | ".join(fmt(r.get(k)) for k, _ in MODEL_METRICS) + " |")
-            report["models"][name] = {k: r.get(k) for k, _ in MODEL_METRICS} | {"problems": r.get("problems"),
-                                                                              "samples": r.get("samples_per_problem")}
+        print("| model | seeds | " + " | ".join(title for _, title in MODEL_METRICS) + " |")
+        print("|---|---|" + "---|" * len(MODEL_METRICS))
+        for name, rs in by_name.items():
+            cells = [spread([r.get(k) for r in rs]) for k, _ in MODEL_METRICS]
+            print(f"| {name} | {len(rs)} | " + " | ".join(cells) + " |")
+            report["models"][name] = {k: [r.get(k) for r in rs] for k, _ in MODEL_METRICS} | {
+                "problems": rs[0].get("problems"), "samples": rs[0].get("samples_per_problem")}
         fig, axes = plt.subplots(1, len(MODEL_METRICS), figsize=(4 * len(MODEL_METRICS), 3.6))
         for ax, (key, title) in zip(axes, MODEL_METRICS):
-            values = [r.get(key) or 0.0 for _, r in evals]
-            ax.bar(range(len(evals)), values, color=[f"C{i}" for i in range(len(evals))])
-            ax.set_xticks(range(len(evals)), [n for n, _ in evals], rotation=20, fontsize=8)
+            for i, rs in enumerate(by_name.values()):
+                values = [r.get(key) or 0.0 for r in rs]
+                mean = statistics.mean(values)
+                ax.bar(i, mean, color=f"C{i}")
+                if len(values) > 1:   # one dot per seed over the mean's bar
+                    ax.plot([i] * len(values), values, "k.", ms=5)
+                ax.text(i, max(values), fmt(mean), ha="center", va="bottom", fontsize=8)
+            ax.set_xticks(range(len(by_name)), list(by_name), rotation=20, fontsize=8)
             ax.set_title(title, fontsize=9)
-            for i, v in enumerate(values):
-                ax.text(i, v, fmt(v), ha="center", va="bottom", fontsize=8)
         fig.tight_layout()
         fig.savefig(out / f"{args.prefix}-models.png", dpi=90)
         plt.close(fig)
+        families = {name: [r.get("pass@1_by_family") for r in rs] for name, rs in by_name.items()}
+        if any(d for ds in families.values() for d in ds):
+            plot_families(families, out / f"{args.prefix}-families.png", report)
 
     # ---- runs: training curves, and the first-vs-last held-out numbers per run
     runs = named_paths(args.run)
@@ -119,20 +138,22 @@ def main() -> None:
             report["runs"][name] = {"seeds": len(items), "runs": items,
                                     "heldout_after_mean": statistics.mean(after) if after else None,
                                     "heldout_after_stdev": statistics.stdev(after) if len(after) > 1 else None}
-        plot_families(per_name, out / f"{args.prefix}-families.png", report)
+        if not evals:   # without eval results: each run's first and last held-out evaluation
+            first = next(iter(per_name.values()))
+            families = {"before RL": [i["families_before"] for i in first]}
+            families.update({name: [i["families_after"] for i in items] for name, items in per_name.items()})
+            plot_families(families, out / f"{args.prefix}-families.png", report)
     print(json.dumps(report))
 
 
-def plot_families(per_name: dict, path: Path, report: dict) -> None:
-    """Held-out pass@1 per family: the first run's "before" (the shared starting model) and each name's "after",
-    averaged over its seeds. Prints the markdown table; skipped when no run logged per-family numbers."""
+def plot_families(by_name: dict[str, list[dict | None]], path: Path, report: dict) -> None:
+    """Held-out pass@1 per generator family, one bar per name, averaged over its seeds (its list of
+    {family: pass@1} dicts). Prints the markdown table; skipped when no result has per-family numbers."""
     def mean_by_family(dicts):
         dicts = [d for d in dicts if d]
         return {f: statistics.mean(d[f] for d in dicts if f in d) for f in sorted({f for d in dicts for f in d})}
 
-    first = next(iter(per_name.values()))
-    bars = {"before RL": mean_by_family(i["families_before"] for i in first)}
-    bars.update({name: mean_by_family(i["families_after"] for i in items) for name, items in per_name.items()})
+    bars = {name: mean_by_family(dicts) for name, dicts in by_name.items()}
     families = sorted({f for v in bars.values() for f in v})
     if not families:
         return
