@@ -7,7 +7,8 @@
         --out docs
 
 Writes docs/results-models.png (accuracy, valid tool calls, tool errors in correct trajectories, response length
-per model), docs/results-training.png (training curves of the runs, overlaid) and docs/results-families.png
+per model), docs/results-training.png (training curves of the runs, overlaid; their held-out curve only when no
+eval result is given, so that every held-out number comes from one source) and docs/results-families.png
 (held-out pass@1 per generator family for each model, from the eval results; without any, before and after each
 run), and prints the markdown tables.
 Several files may share a name (seeds): curves are drawn per file; tables give the mean and (min..max), the
@@ -107,7 +108,9 @@ def main() -> None:
     # ---- runs: training curves, and the first-vs-last held-out numbers per run
     runs = named_paths(args.run)
     if runs:
-        fig, axes = plt.subplots(2, (len(RUN_METRICS) + 1) // 2, figsize=(4 * ((len(RUN_METRICS) + 1) // 2), 6.4))
+        # with eval results given, held-out numbers come from them alone (a run may have evaluated another set)
+        metrics = [(k, t) for k, t in RUN_METRICS if not (evals and k == "heldout_acc")]
+        fig, axes = plt.subplots(2, (len(metrics) + 1) // 2, figsize=(4 * ((len(metrics) + 1) // 2), 6.4))
         axes = axes.flatten()
         names = list(dict.fromkeys(n for n, _ in runs))
         per_name: dict[str, list[dict]] = {n: [] for n in names}
@@ -115,7 +118,7 @@ def main() -> None:
             every = read_jsonl(path)
             rows = [r for r in every if r.get("step", 0) > 0]
             colour = f"C{names.index(name)}"
-            for ax, (key, title) in zip(axes, RUN_METRICS):
+            for ax, (key, title) in zip(axes, metrics):
                 pts = [(r["step"], r[key]) for r in (every if key == "heldout_acc" else rows) if r.get(key) is not None]
                 if pts:
                     ax.plot(*zip(*pts), color=colour, marker="o", ms=3, alpha=0.8,
