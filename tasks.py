@@ -510,16 +510,16 @@ def problem_at(index: int, seed: int, split: str = "train", levels: Sequence[int
     chooses them: rstar2_mini.sometimes_right)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-    if cells is not None:
-        bad = [c for c in cells if c[0] not in FAMILIES or c[1] not in LEVELS]
-        if not cells or bad:
-            raise ValueError(f"cells must be (family, level) pairs of {', '.join(FAMILIES)} x {LEVELS}, got {bad}")
     if not levels or any(level not in LEVELS for level in levels):
         raise ValueError(f"levels must be a non-empty subset of {LEVELS}, got {tuple(levels)}")
     names = list(FAMILIES) if families is None else list(families)
     unknown = [f for f in names if f not in FAMILIES]
     if not names or unknown:
         raise ValueError(f"unknown families {unknown or names}; known: {', '.join(FAMILIES)}")
+    if cells is not None:
+        bad = [c for c in cells if c[0] not in FAMILIES or c[1] not in LEVELS]
+        if not cells or bad:
+            raise ValueError(f"cells must be (family, level) pairs of {', '.join(FAMILIES)} x {LEVELS}, got {bad}")
     # One RNG per index, seeded from a string (Random hashes str seeds with sha512: stable across processes).
     rng = random.Random(f"rstar2-tasks:{seed}:{split}:{index}")
     for _ in range(1000):   # a train draw is kept 9 times in 10, a held-out draw 1 time in 10
@@ -547,6 +547,7 @@ def heldout_problems(n: int = 64, seed: int = 1234, levels: Sequence[int] = (1, 
     problem k comes from family k mod F and, once every family has had one, the next level in turn, so each
     (family, level) cell holds floor(n / cells) or one more and a per-family pass@1 always has its samples."""
     names = list(FAMILIES) if families is None else list(families)
+    problem_at(0, seed, "heldout", levels, names)       # bad levels or families: problem_at's ValueError
     cells = [(family, level) for level in levels for family in names]     # round-robin: families first
     problems: list[Problem] = []
     seen: set[str] = set()

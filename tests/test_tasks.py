@@ -205,6 +205,9 @@ def test_heldout_set_is_stratified_over_families_and_levels():
     assert max(by_cell.values()) - min(by_cell.values()) <= 1
     two = tasks.heldout_problems(12, levels=(1,), families=["gcd_lcm", "product"])
     assert Counter(p.family for p in two) == {"gcd_lcm": 6, "product": 6}
+    for bad in ({"levels": ()}, {"levels": (9,)}, {"families": []}, {"families": ["nope"]}):
+        with pytest.raises(ValueError, match="levels|families"):
+            tasks.heldout_problems(4, **bad)
 
 
 def test_families_filter_and_wording_varies():
