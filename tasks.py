@@ -503,6 +503,17 @@ def is_heldout(family: str, params: dict) -> bool:
     return stable_hash(problem_key(family, params)) % HELDOUT_MODULUS == 0
 
 
+def checked_families(levels: Sequence[int], families: Sequence[str] | None) -> list[str]:
+    """The family names to draw from (all when None); a ValueError for empty or unknown levels or families."""
+    if not levels or any(level not in LEVELS for level in levels):
+        raise ValueError(f"levels must be a non-empty subset of {LEVELS}, got {tuple(levels)}")
+    names = list(FAMILIES) if families is None else list(families)
+    unknown = [f for f in names if f not in FAMILIES]
+    if not names or unknown:
+        raise ValueError(f"unknown families {unknown or names}; known: {', '.join(FAMILIES)}")
+    return names
+
+
 def problem_at(index: int, seed: int, split: str = "train", levels: Sequence[int] = (1, 2),
                families: Sequence[str] | None = None, cells: Sequence[tuple[str, int]] | None = None) -> Problem:
     """The index-th problem of the (seed, split, levels, families) stream; the same arguments, the same problem.
@@ -510,12 +521,7 @@ def problem_at(index: int, seed: int, split: str = "train", levels: Sequence[int
     chooses them: rstar2_mini.sometimes_right)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-    if not levels or any(level not in LEVELS for level in levels):
-        raise ValueError(f"levels must be a non-empty subset of {LEVELS}, got {tuple(levels)}")
-    names = list(FAMILIES) if families is None else list(families)
-    unknown = [f for f in names if f not in FAMILIES]
-    if not names or unknown:
-        raise ValueError(f"unknown families {unknown or names}; known: {', '.join(FAMILIES)}")
+    names = checked_families(levels, families)
     if cells is not None:
         bad = [c for c in cells if c[0] not in FAMILIES or c[1] not in LEVELS]
         if not cells or bad:
@@ -546,8 +552,7 @@ def heldout_problems(n: int = 64, seed: int = 1234, levels: Sequence[int] = (1, 
     """A fixed evaluation set of n distinct held-out problems (never produced by the train split), stratified:
     problem k comes from family k mod F and, once every family has had one, the next level in turn, so each
     (family, level) cell holds floor(n / cells) or one more and a per-family pass@1 always has its samples."""
-    names = list(FAMILIES) if families is None else list(families)
-    problem_at(0, seed, "heldout", levels, names)       # bad levels or families: problem_at's ValueError
+    names = checked_families(levels, families)
     cells = [(family, level) for level in levels for family in names]     # round-robin: families first
     problems: list[Problem] = []
     seen: set[str] = set()
