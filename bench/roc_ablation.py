@@ -7,7 +7,10 @@
 Each arm and seed is one run directory, OUT/{roc,none}-s{seed}, into which the SFT directory is copied. The runs
 advance in chunks, alternating the arms: `rstar2_mini.py --stage 1 --resume --steps K` for K = chunk, 2 chunk, ...,
 steps. Both arms therefore have the same number of steps whenever the ablation is stopped, and the same command
-continues it. Each chunk ends with a held-out evaluation (a point on the held-out curve). At the end,
+continues it. Each chunk ends with a held-out evaluation (a point on the held-out curve). Both arms scan the
+families once, at step 0 (`scan_every=0`; a later `--set scan_every=K` overrides it): the two arms of a seed start
+from the same model with the same seed, so their scans are identical and they train on the same cells, and the
+CPU preset's rescans every 3 steps would cost a step's time each (10 scans in 30 steps). At the end,
 bench/results.py draws both arms' curves: tool errors in correct rollouts, response length, reward, held-out
 pass@1 per family. The last line printed is one JSON object with each run's last step.
 """
@@ -55,7 +58,7 @@ def main() -> int:
             if steps_done(run) >= target:
                 continue
             cmd = [sys.executable, str(ROOT / "rstar2_mini.py"), "--stage", "1", "--out", str(run), "--seed",
-                   str(seed), "--steps", str(target), "--resume", "--set", f"roc_mode={arm}"]
+                   str(seed), "--steps", str(target), "--resume", "--set", f"roc_mode={arm}", "--set", "scan_every=0"]
             for kv in args.set:
                 cmd += ["--set", kv]
             print("+ " + " ".join(cmd), flush=True)
