@@ -1,0 +1,112 @@
+"""bench/roc_ablation.py's schedule: the arms advance in alternating chunks, each run is continued from its own last
+checkpoint, and a stopped ablation resumes where it stopped. rstar2_mini.py is replaced by a fake that writes the
+checkpoint pointer and metrics lines a real stage-1 run writes (the real runs are hours long; the trainer's own
+resume is tested in test_trainer.py)."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_ablation():
+    spec = importlib.util.spec_from_file_location("roc_ablation", ROOT / "bench" / "roc_ablation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def option(cmd, name):
+    """The value after the last `name` in a command line (argparse: the last one wins)."""
+    return [cmd[i + 1] for i, x in enumerate(cmd) if x == name][-1]
+
+
+def sets(cmd):
+    return [cmd[i + 1] for i, x in enumerate(cmd) if x == "--set"]
+
+
+class FakeRuns:
+    """Stands in for subprocess.run: a stage-1 command advances its run to --steps (a checkpoint per call, a metrics
+    line per step); the plotting command does nothing. fail_at: the call number (1-based) that exits with 1."""
+
+    def __init__(self, fail_at=None):
+        self.calls, self.fail_at = [], fail_at
+
+    def __call__(self, cmd, check=False):
+        if cmd[1].endswith("results.py"):
+            return subprocess.CompletedProcess(cmd, 0)
+        self.calls.append(cmd)
+        if len(self.calls) == self.fail_at:
+            return subprocess.CompletedProcess(cmd, 1)
+        run, target = Path(option(cmd, "--out")) / "stage1", int(option(cmd, "--steps"))
+        ckpts = run / "checkpoints"
+        done = int((ckpts / "latest").read_text().split("_")[-1]) if (ckpts / "latest").exists() else 0
+        assert (run.parent / "sft" / "model" / "config.json").exists(), "the SFT is copied in before the first chunk"
+        run.mkdir(parents=True, exist_ok=True)
+        with open(run / "metrics.jsonl", "a") as f:
+            for step in range(done + 1, target + 1):
+                f.write(json.dumps({"step": step}) + "\n")
+        (ckpts / f"step_{target:06d}").mkdir(parents=True)
+        (ckpts / f"step_{target:06d}" / "trainer_state.pt").write_bytes(b"")
+        (ckpts / "latest").write_text(f"step_{target:06d}")
+        return subprocess.CompletedProcess(cmd, 0)
+
+
+def run_ablation(module, monkeypatch, tmp_path, fake, *extra):
+    sft = tmp_path / "sft"
+    (sft / "model").mkdir(parents=True, exist_ok=True)
+    (sft / "model" / "config.json").write_text("{}")
+    monkeypatch.setattr(module.subprocess, "run", fake)
+    monkeypatch.setattr(sys, "argv", ["roc_ablation.py", "--sft", str(sft), "--out", str(tmp_path / "abl"),
+                                      "--steps", "5", "--chunk", "2", "--seeds", "0,1", *extra])
+    return module.main()
+
+
+def schedule(calls):
+    return [(Path(option(c, "--out")).name, int(option(c, "--steps"))) for c in calls]
+
+
+def test_arms_alternate_in_chunks_and_a_user_setting_wins(monkeypatch, tmp_path, capsys):
+    module, fake = load_ablation(), FakeRuns()
+    assert run_ablation(module, monkeypatch, tmp_path, fake, "--set", "scan_every=3") == 0
+    # Chunks of 2 up to 5 steps: every run reaches 2, then 4, then 5, the arms of a seed next to each other.
+    runs = ["roc-s0", "none-s0", "roc-s1", "none-s1"]
+    assert schedule(fake.calls) == [(r, k) for k in (2, 4, 5) for r in runs]
+    for cmd in fake.calls:
+        arm, seed = Path(option(cmd, "--out")).name.split("-s")
+        assert option(cmd, "--seed") == seed and "--resume" in cmd
+        # Both arms scan once at step 0 unless the user says otherwise: the user's --set comes last and wins.
+        assert sets(cmd) == [f"roc_mode={arm}", "scan_every=0", "scan_every=3"]
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sorted(last) == sorted(runs) and all(v["step"] == 5 for v in last.values())
+
+
+def test_a_stopped_ablation_resumes_where_it_stopped(monkeypatch, tmp_path, capsys):
+    module = load_ablation()
+    first = FakeRuns(fail_at=7)      # the second chunk of roc-s1 fails
+    assert run_ablation(module, monkeypatch, tmp_path, first) == 1
+    assert "the same command continues from its last checkpoint" in capsys.readouterr().err
+    assert schedule(first.calls)[-1] == ("roc-s1", 4)
+    again = FakeRuns()
+    assert run_ablation(module, monkeypatch, tmp_path, again) == 0
+    # The runs already at 4 steps are not run again for that chunk; the failed one is.
+    assert schedule(again.calls) == [("roc-s1", 4), ("none-s1", 4),
+                                     ("roc-s0", 5), ("none-s0", 5), ("roc-s1", 5), ("none-s1", 5)]
+    for run in ("roc-s0", "none-s0", "roc-s1", "none-s1"):
+        steps = [json.loads(x)["step"] for x in (tmp_path / "abl" / run / "stage1" / "metrics.jsonl").open()]
+        assert steps == [1, 2, 3, 4, 5], run       # each step once: no chunk ran twice
+
+
+def test_missing_sft_is_a_clear_error(monkeypatch, tmp_path, capsys):
+    module = load_ablation()
+    monkeypatch.setattr(sys, "argv", ["roc_ablation.py", "--sft", str(tmp_path / "nothing"), "--out", str(tmp_path)])
+    assert module.main() == 2
+    assert "holds no SFT model" in capsys.readouterr().err
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
