@@ -13,7 +13,8 @@ eval result is given, so that every held-out number comes from one source) and d
 run), and prints the markdown tables.
 Several files may share a name (seeds): curves are drawn per file; tables give the mean and (min..max), the
 model plot the mean as a bar and each seed as a dot, the family plot the mean.
-The last line printed is one JSON object with every number.
+The last line printed is one JSON object with every number (with eval results given, its "runs" part holds each
+run's steps and wall time only: the held-out numbers are the eval results').
 """
 import argparse
 import json
@@ -33,8 +34,9 @@ RUN_METRICS = [("reward", "training reward (all 2G rollouts)"),
                ("response_len", "response length (tokens)"),
                ("groups_dropped_frac", "groups dropped (all-equal reward)"),
                ("cells_trained", "generator cells trained on (scan)"),
-               ("logprob_diff_mean", "engine vs trainer log-prob, mean abs diff"),
+               ("logprob_diff_mean", "engine vs trainer log-prob, mean abs diff (x 1e-6)"),
                ("heldout_acc", "held-out pass@1 (T = 0.6)")]
+SCALE = {"logprob_diff_mean": 1e6}   # drawn in these units, so that no axis offset text runs into the title
 
 
 def named_paths(items: list[str]) -> list[tuple[str, Path]]:
@@ -119,28 +121,31 @@ def main() -> None:
             rows = [r for r in every if r.get("step", 0) > 0]
             colour = f"C{names.index(name)}"
             for ax, (key, title) in zip(axes, metrics):
-                pts = [(r["step"], r[key]) for r in (every if key == "heldout_acc" else rows) if r.get(key) is not None]
+                pts = [(r["step"], r[key] * SCALE.get(key, 1)) for r in (every if key == "heldout_acc" else rows)
+                       if r.get(key) is not None]
                 if pts:
                     ax.plot(*zip(*pts), color=colour, marker="o", ms=3, alpha=0.8,
                             label=name if path == [p for n, p in runs if n == name][0] else None)
                 ax.set_title(title, fontsize=9)
                 ax.set_xlabel("RL step", fontsize=8)
                 ax.grid(alpha=0.3)
-            first = read_jsonl(path)[0]
             last = rows[-1] if rows else {}
-            per_name[name].append({"heldout_before": first.get("heldout_acc"), "heldout_after": last.get("heldout_acc"),
-                                   "families_before": first.get("heldout_acc_by_family"),
-                                   "families_after": last.get("heldout_acc_by_family"),
-                                   "steps": last.get("step"), "wall_s": sum(r.get("step_time_s", 0) for r in rows)})
+            item = {"steps": last.get("step"), "wall_s": sum(r.get("step_time_s", 0) for r in rows)}
+            if not evals:   # the run's own first and last held-out evaluation
+                item |= {"heldout_before": every[0].get("heldout_acc"), "heldout_after": last.get("heldout_acc"),
+                         "families_before": every[0].get("heldout_acc_by_family"),
+                         "families_after": last.get("heldout_acc_by_family")}
+            per_name[name].append(item)
         axes[0].legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / f"{args.prefix}-training.png", dpi=90)
         plt.close(fig)
         for name, items in per_name.items():
-            after = [i["heldout_after"] for i in items if i["heldout_after"] is not None]
-            report["runs"][name] = {"seeds": len(items), "runs": items,
-                                    "heldout_after_mean": statistics.mean(after) if after else None,
-                                    "heldout_after_stdev": statistics.stdev(after) if len(after) > 1 else None}
+            report["runs"][name] = {"seeds": len(items), "runs": items}
+            if not evals:
+                after = [i["heldout_after"] for i in items if i["heldout_after"] is not None]
+                report["runs"][name] |= {"heldout_after_mean": statistics.mean(after) if after else None,
+                                         "heldout_after_stdev": statistics.stdev(after) if len(after) > 1 else None}
         if not evals:   # without eval results: each run's first and last held-out evaluation
             first = next(iter(per_name.values()))
             families = {"before RL": [i["families_before"] for i in first]}
