@@ -601,7 +601,9 @@ def sympy_chore(rng):
 
     kind = rng.choice(["isprime", "nextprime", "rows", "solve", "fraction"])
     if kind == "isprime":
-        n = rng.choice([sympy.randprime(100, 20000), rng.randint(50, 10000) * 2 + 1])
+        # a prime or an odd number; the prime from rng (sympy.randprime draws from sympy's global RNG, which would
+        # make the data depend on what ran before, not on the seed)
+        n = rng.choice([sympy.nextprime(rng.randint(100, 20000)), rng.randint(50, 10000) * 2 + 1])
         q = pick(rng, "Is {n} a prime number? Answer yes or no.", "Is the locker number {n} prime? Reply yes or no.",
                  n=n)
         return Chore("test whether it is prime", q, "yes" if sympy.isprime(n) else "no",
@@ -695,6 +697,51 @@ def number_in_sentence(rng):
                  [f"total = {total}  # {m} million\nprint(total // {k})", f"print(round({m} * 1_000_000) // {k})"])
 
 
+def digit_check(rng):
+    """A check value of an ID: the sum of its digits, by str() or by % 10 and // 10."""
+    n = rng.randint(10**5, 10**12)
+    thing = rng.choice(["card number", "order number", "serial number", "account number", "barcode"])
+    q = pick(rng, "The check value of a {t} is the sum of its digits. What is it for {n}?",
+             "Add up the digits of the {t} {n}.", "What do the digits of the {t} {n} add up to?", t=thing, n=n)
+    return Chore("add up the digits", q, str(sum(map(int, str(n)))),
+                 [f"print(sum(int(ch) for ch in str({n})))", f"print(sum(map(int, str({n}))))",
+                  f"n = {n}\ntotal = 0\nwhile n > 0:\n    total += n % 10\n    n //= 10\nprint(total)"])
+
+
+def layer_blocks(rng):
+    """A total over numbered layers whose size is a power of the layer number: sum(k**2 for k in range(a, b + 1))."""
+    a = rng.randint(1, 40)
+    b = a + rng.randint(5, 60)
+    power = rng.choice([2, 2, 3])
+    if power == 2:
+        q = pick(rng, "A stack of oranges has square layers: layer k is a k-by-k square. How many oranges are in "
+                 "layers {a} through {b}?", "Square tiles of side k are made for every k from {a} to {b}; tile k "
+                 "uses k*k small squares. How many small squares in all?", a=a, b=b)
+    else:
+        q = pick(rng, "Cubes of side k are built from unit blocks, one cube for each k from {a} to {b}. How many "
+                 "unit blocks are used?", "Box k holds k*k*k marbles, for boxes {a} to {b}. How many marbles are "
+                 "there?", a=a, b=b)
+    return Chore("add up the layers", q, str(sum(k**power for k in range(a, b + 1))),
+                 [f"print(sum(k**{power} for k in range({a}, {b} + 1)))",
+                  f"total = 0\nfor k in range({a}, {b + 1}):\n    total += k**{power}\nprint(total)",
+                  f"sizes = [k**{power} for k in range({a}, {b + 1})]\nresult = sum(sizes)\nprint(result)"])
+
+
+def base_display(rng):
+    """int(text, base) for any base 2..9: a counter, a dial or a tally whose digits run from 0 to base - 1."""
+    base = rng.randint(3, 9)
+    value = rng.randint(30, 5000)
+    digits, v = "", value
+    while v:
+        digits, v = str(v % base) + digits, v // base
+    q = pick(rng, "A toy counter only has the digits 0 to {m}, so its display {d} is a base-{b} number. What count "
+             "does it show in decimal?", "An old machine stores numbers in base {b}. Its register reads {d}. What "
+             "is that number in decimal?", m=base - 1, d=digits, b=base)
+    return Chore(f"read the base-{base} number", q, str(value),
+                 [f"print(int('{digits}', {base}))",
+                  f"value = 0\nfor digit in '{digits}':\n    value = {base} * value + int(digit)\nprint(value)"])
+
+
 CHORES = [packing, shopping, growth, square_side, count_matching, savings, reverse_string, count_vowels,
           count_letter, sort_words, sort_numbers, longest_word, word_count, dedupe, palindrome,
           days_between, weekday, add_days, convert_units, temperature, seconds_to_clock, table_top, table_total,
@@ -705,6 +752,11 @@ CHORES = [packing, shopping, growth, square_side, count_matching, savings, rever
           # families need one)
           range_count, range_count, range_total, range_total, choose_ways, choose_ways, sympy_chore, sympy_chore,
           hex_color, number_in_sentence, number_in_sentence]
+# The everyday-math chores once each, with three that CHORES lacks (digit sums, sums of powers, any base): drawn
+# with probability SFTConfig.math_share when it is set, the rest of the tool examples from EVERYDAY_CHORES.
+MATH_CHORES = [range_count, range_total, choose_ways, sympy_chore, hex_color, number_in_sentence, digit_check,
+               layer_blocks, base_display]
+EVERYDAY_CHORES = [c for c in dict.fromkeys(CHORES) if c not in MATH_CHORES] + [named_value]  # named_value twice
 
 
 def chore_programs(chore: Chore) -> list[tuple[str, str]]:

@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chores import CHORES, chore_programs, direct_example
+from chores import CHORES, EVERYDAY_CHORES, MATH_CHORES, chore_programs, direct_example
 from scheduler import (IM_END, IM_START, TOOL_NAME, Segment, Trajectory, encode, encode_tool_response,
                        render_prompt, tool_response_text)
 from sft_config import SFTConfig
@@ -125,7 +125,10 @@ def draft_example(seed: int, index: int, cfg: SFTConfig) -> Draft:
     if rng.random() < cfg.direct_share:
         q, reason, a = direct_example(rng)
         return Draft(f"sft-{index}-direct", q, a, final=answer_turn(rng, reason, a))
-    chore = rng.choice(CHORES)(rng)
+    if cfg.math_share is None:
+        chore = rng.choice(CHORES)(rng)
+    else:
+        chore = rng.choice(MATH_CHORES if rng.random() < cfg.math_share else EVERYDAY_CHORES)(rng)
     programs = [(name_the_result(code) if rng.random() < cfg.name_share else code, stdin)
                 for code, stdin in chore_programs(chore)]
     code, stdin = rng.choice(programs)

@@ -144,6 +144,62 @@ def test_the_everyday_math_chores_print_their_answer_in_every_style():
         assert len(seen) == n_kinds, (chore_fn.__name__, seen)
 
 
+def test_a_draft_depends_only_on_its_seed_and_index():
+    """The SFT data is a function of (seed, index): drawing the same examples again, after other draws, gives the
+    same questions and programs (a chore that draws from a library's global RNG would not)."""
+    import sympy
+    cfg = sft.SFTConfig()
+    first = [sft_data.draft_example(0, i, cfg) for i in range(200)]
+    sympy.randprime(10, 10**6)   # disturb any global random state a chore might read
+    again = [sft_data.draft_example(0, i, cfg) for i in range(200)]
+    assert [(d.question, d.calls) for d in first] == [(d.question, d.calls) for d in again]
+
+
+def test_the_added_math_chores_are_right_by_an_independent_count():
+    """digit_check, layer_blocks and base_display: every program prints the answer, and the answer agrees with a
+    count done another way here (digits by divmod, sums of powers by Faulhaber's closed forms, the numeral read back
+    with tasks.to_base)."""
+    import random
+    import re as regex
+
+    import chores
+    from tasks import to_base
+    for seed in range(40):
+        chore = chores.digit_check(random.Random(seed))
+        n, total = int(regex.search(r"\d{6,}", chore.question).group()), 0
+        while n:
+            n, digit = divmod(n, 10)
+            total += digit
+        assert chore.answer == str(total)
+        chore = chores.layer_blocks(random.Random(seed))
+        a, b = map(int, regex.search(r"(\d+) (?:through|to) (\d+)", chore.question).groups())
+        squares = lambda m: m * (m + 1) * (2 * m + 1) // 6   # noqa: E731 - sum of k^2 for k = 1..m
+        cubes = lambda m: (m * (m + 1) // 2) ** 2             # noqa: E731 - sum of k^3 for k = 1..m
+        closed = squares if "square" in chore.question else cubes
+        assert chore.answer == str(closed(b) - closed(a - 1)), chore.question
+        chore = chores.base_display(random.Random(seed))
+        base = int(regex.search(r"base[- ](\d)", chore.question).group(1))
+        assert to_base(int(chore.answer), base) in chore.question
+        for fn in (chores.digit_check, chores.layer_blocks, chores.base_display):
+            c = fn(random.Random(seed))
+            for code, stdin in chore_programs(c):
+                assert run_here(code, stdin).strip() == c.answer, (c.question, code)
+
+
+def test_math_share_draws_the_math_chores_with_that_probability(monkeypatch):
+    """math_share=None keeps the preset's mix (CHORES); a share p draws a tool example from MATH_CHORES with
+    probability p, else from EVERYDAY_CHORES (a binomial count over 400 drafts; each list is replaced by one chore
+    that names its list)."""
+    from chores import Chore
+    for name in ("CHORES", "MATH_CHORES", "EVERYDAY_CHORES"):
+        monkeypatch.setattr(sft_data, name, [lambda rng, n=name: Chore(n, "What is 1 + 1?", "2", ["print(1 + 1)"])])
+    for share, lo, hi in ((None, 0.0, 0.0), (1.0, 1.0, 1.0), (0.5, 0.43, 0.57), (0.0, 0.0, 0.0)):
+        drafts = [sft_data.draft_example(0, i, sft.SFTConfig(math_share=share)) for i in range(400)]
+        lists = [d.id.split("-")[2] for d in drafts if not d.id.endswith("-direct")]
+        assert set(lists) <= ({"CHORES"} if share is None else {"MATH_CHORES", "EVERYDAY_CHORES"}), share
+        assert lo <= lists.count("MATH_CHORES") / len(lists) <= hi, share
+
+
 def test_most_generated_programs_are_shallow(tokenizer, examples):
     """The share of first programs whose deepest line nests brackets 3 or more levels (the lines a 135M model
     most often closes wrongly) stays small: 34% before the programs named their result, about 15% now."""
