@@ -728,7 +728,7 @@ def layer_blocks(rng):
 
 
 def base_display(rng):
-    """int(text, base) for any base 2..9: a counter, a dial or a tally whose digits run from 0 to base - 1."""
+    """int(text, base) for a base from 3 to 9: a counter or a register whose digits run from 0 to base - 1."""
     base = rng.randint(3, 9)
     value = rng.randint(30, 5000)
     digits, v = "", value
