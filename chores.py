@@ -25,6 +25,8 @@ import random
 from dataclasses import dataclass
 from datetime import date, timedelta
 
+from tasks import to_base
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Chores: general programming tasks where a tool helps. Deliberately *not* the questions of tasks.py's families
@@ -731,9 +733,7 @@ def base_display(rng):
     """int(text, base) for a base from 3 to 9: a counter or a register whose digits run from 0 to base - 1."""
     base = rng.randint(3, 9)
     value = rng.randint(30, 5000)
-    digits, v = "", value
-    while v:
-        digits, v = str(v % base) + digits, v // base
+    digits = to_base(value, base)
     q = pick(rng, "A toy counter only has the digits 0 to {m}, so its display {d} is a base-{b} number. What count "
              "does it show in decimal?", "An old machine stores numbers in base {b}. Its register reads {d}. What "
              "is that number in decimal?", m=base - 1, d=digits, b=base)
@@ -756,7 +756,7 @@ CHORES = [packing, shopping, growth, square_side, count_matching, savings, rever
 # with probability SFTConfig.math_share when it is set, the rest of the tool examples from EVERYDAY_CHORES.
 MATH_CHORES = [range_count, range_total, choose_ways, sympy_chore, hex_color, number_in_sentence, digit_check,
                layer_blocks, base_display]
-EVERYDAY_CHORES = [c for c in dict.fromkeys(CHORES) if c not in MATH_CHORES] + [named_value]  # named_value twice
+EVERYDAY_CHORES = [c for c in CHORES if c not in MATH_CHORES]   # named_value still twice
 
 
 def chore_programs(chore: Chore) -> list[tuple[str, str]]:
