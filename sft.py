@@ -368,7 +368,10 @@ def main() -> None:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(f.type, str)
             ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f"default {f.default}")
     args = ap.parse_args()
-    cfg = SFTConfig(**{k: v for k, v in vars(args).items() if k in SFTConfig.__dataclass_fields__})
+    try:
+        cfg = SFTConfig(**{k: v for k, v in vars(args).items() if k in SFTConfig.__dataclass_fields__})
+    except ValueError as e:
+        ap.error(str(e))   # usage, the message, exit 2
     path = models.resolve_model(args.model)
     tokenizer = models.load_tokenizer(path)
     if args.show:

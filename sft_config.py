@@ -2,7 +2,7 @@
 
 One dataclass, with the paper's value where the paper gives one. It has a module of its own so that both sides of
 the SFT read it without importing each other: sft_data.py (the data mix: direct_share, verify_share, fix_share,
-name_share) and sft.py (the optimization, held-out early stopping, checkpoints). `python sft.py --help` lists the
+name_share, math_share; each a probability in [0, 1], checked on construction) and sft.py (the optimization, held-out early stopping, checkpoints). `python sft.py --help` lists the
 command-line flags made from it; rstar2_mini.py fills it from the recipe's `sft_*` settings.
 """
 from __future__ import annotations
@@ -49,3 +49,11 @@ class SFTConfig:
                                      # 0: an eighth of the planned steps (at most 8 saves a run: each writes the
                                      # weights and the AdamW state, 1.5 GB for the 135M model)
     seed: int = 0
+
+    def __post_init__(self):
+        # A share is the probability of one branch of a draw (`rng.random() < share`): outside [0, 1] every
+        # draw would silently take the same branch.
+        for name in ("direct_share", "verify_share", "fix_share", "name_share", "math_share"):
+            share = getattr(self, name)
+            if share is not None and not 0.0 <= share <= 1.0:
+                raise ValueError(f"{name}={share}: a share is a probability, between 0 and 1")

@@ -201,6 +201,27 @@ def test_math_share_draws_the_math_chores_with_that_probability(monkeypatch):
         assert lo <= lists.count("MATH_CHORES") / len(lists) <= hi, share
 
 
+@pytest.mark.parametrize("field,value", [("math_share", 1.5), ("math_share", -0.1), ("direct_share", 2.0),
+                                         ("verify_share", -1.0), ("fix_share", 1.01), ("name_share", float("nan"))])
+def test_a_share_outside_0_1_is_refused_by_name(field, value):
+    """A share is a probability: outside [0, 1] every draw would silently take one branch (math_share 1.5 gave
+    only math chores). The config refuses it, naming the field; sft.py prints it and exits 2."""
+    with pytest.raises(ValueError, match=field):
+        sft.SFTConfig(**{field: value})
+    sft.SFTConfig(**{field: 0.0}), sft.SFTConfig(**{field: 1.0})   # the ends are shares
+
+
+def test_sft_cli_reports_a_bad_share_without_a_traceback(tmp_path):
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "sft.py", "--math-share", "1.5", "--out", str(tmp_path / "model")],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert "math_share" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert not (tmp_path / "model").exists()
+
+
 def test_most_generated_programs_are_shallow(tokenizer, examples):
     """The share of first programs whose deepest line nests brackets 3 or more levels (the lines a 135M model
     most often closes wrongly) stays small: 34% before the programs named their result, about 15% now."""
