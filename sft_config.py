@@ -2,8 +2,9 @@
 
 One dataclass, with the paper's value where the paper gives one. It has a module of its own so that both sides of
 the SFT read it without importing each other: sft_data.py (the data mix: direct_share, verify_share, fix_share,
-name_share, math_share; each a probability in [0, 1], checked on construction) and sft.py (the optimization, held-out early stopping, checkpoints). `python sft.py --help` lists the
-command-line flags made from it; rstar2_mini.py fills it from the recipe's `sft_*` settings.
+name_share, math_share; each a probability in [0, 1], checked on construction) and sft.py (the optimization,
+held-out early stopping, checkpoints). `python sft.py --help` lists the command-line flags made from it;
+rstar2_mini.py fills it from the recipe's `sft_*` settings.
 """
 from __future__ import annotations
 
