@@ -208,7 +208,8 @@ def test_a_share_outside_0_1_is_refused_by_name(field, value):
     only math chores). The config refuses it, naming the field; sft.py prints it and exits 2."""
     with pytest.raises(ValueError, match=field):
         sft.SFTConfig(**{field: value})
-    sft.SFTConfig(**{field: 0.0}), sft.SFTConfig(**{field: 1.0})   # the ends are shares
+    for end in (0.0, 1.0):   # the ends are shares
+        sft.SFTConfig(**{field: end})
 
 
 def test_sft_cli_reports_a_bad_share_without_a_traceback(tmp_path):
