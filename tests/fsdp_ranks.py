@@ -24,7 +24,7 @@ import scheduler  # noqa: E402
 
 def update_config() -> R.Config:
     return R.Config(lr=1e-3, warmup_steps=1, weight_decay=0.0, minibatches=2, micro_batch_tokens=64,
-                    temperature=1.0, grad_clip=1.0)
+                    temperature=1.0, grad_clip=1.0, precision="fp32")  # exact: not bf16 on bf16 CPUs
 
 
 def fixed_batch(tokenizer) -> list:
@@ -86,7 +86,7 @@ def stage(model_dir: str, run_dir: str, steps: int) -> None:
     cfg = R.Config(out=run_dir, steps=steps, groups_per_step=2, group_size=2, oversample=2, max_draw_rounds=1,
                    max_turns=3, max_response_tokens=192, temperature=1.3, lr=1e-3, warmup_steps=1, minibatches=2,
                    micro_batch_tokens=4096, eval_problems=0, save_every=1, engine_batch=8, deterministic=True,
-                   drop_all_equal=False, tool_timeout_s=5.0, samples_per_step=1, resume=True)
+                   drop_all_equal=False, tool_timeout_s=5.0, samples_per_step=1, resume=True, precision="fp32")
     d = Path(run_dir) / "stage1"
     d.mkdir(parents=True, exist_ok=True)
     ckpt = R.latest_checkpoint(d)
