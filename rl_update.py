@@ -11,7 +11,8 @@ Log-probs do not depend on how the trajectories are packed into micro-batches: t
 forwarded once per pass (shared_prompt_kv; its gradient flows back once, backward_through_prompt) and always
 ends before the first model token of every row. So with lr = 0 every importance ratio is exactly 1 and nothing
 is clipped (tests/test_trainer.py checks it, and that the gradient equals the paper's loss written out on each
-trajectory's own full forward). On CPUs with bf16 units the passes run under bf16 autocast (cfg.precision).
+trajectory's own full forward). On CPUs with bf16 units the passes run under bf16 autocast (cfg.precision); the
+pi_old pass then forwards the same micro-batches as the update, so bf16 rounds both alike and rho stays 1.
 Under torchrun (distributed.py) every rank runs policy_update on the same batch and takes its share of it.
 """
 from __future__ import annotations
@@ -128,8 +129,8 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
                   loss_sign: float = 1.0) -> dict:
     """Old log-probs, then `minibatches` optimizer steps of the clipped token-level loss (paper eq. in grpo_roc).
 
-    Log-probs live by absolute position in each trajectory (token_logprobs), so the old pass and the new passes
-    may pack the trajectories differently: with lr = 0 every ratio is 1 and nothing is clipped (a test checks).
+    Log-probs live by absolute position in each trajectory (token_logprobs): with lr = 0 every ratio is 1 and
+    nothing is clipped (a test checks, in fp32 and bf16).
     Under torchrun every rank runs this with the same `kept` and `rng` (broadcast by rank 0) and takes its share
     of each mini-batch (rank_shares); FSDP sums the gradients of all ranks into every shard."""
     import torch
@@ -169,16 +170,19 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
     shares = [rank_shares(chunk, lengths) for chunk in chunks]  # shares[chunk][rank]: that rank's items
 
     # Old log-probs pi_old, one per token position of each trajectory: recomputed by the trainer (not taken from
-    # the engine) so that rho = 1 exactly at the first update whatever the engine's numerics.
+    # the engine) so that rho = 1 exactly at the first update whatever the engine's numerics. The pass forwards
+    # the very micro-batches the update will (same rows, same padding): in fp32 any packing gives the same
+    # numbers to rounding, but under bf16 autocast a row packed differently rounds differently (|rho - 1| up to
+    # 5e-4 at lr = 0 on the tiny test model).
     old = [None] * len(seqs)
     model.eval()
     with torch.no_grad(), autocast():
         prompt_kv = shared_prompt_kv(model, seqs[0][:p])[0] if p else None
-        for mb in my_micro_batches([sum((s[r] for s in shares), []) for r in range(world)], own,
-                                   cfg.micro_batch_tokens):
-            logp = logprobs(mb, prompt_kv)
-            for row, i in enumerate(mb or []):
-                old[i] = logp[row, : lengths[i]].clone()
+        for share in shares:
+            for mb in my_micro_batches(share, own, cfg.micro_batch_tokens):
+                logp = logprobs(mb, prompt_kv)   # (mb None: an empty pass, FSDP's collectives need it)
+                for row, i in enumerate(mb or []):
+                    old[i] = logp[row, : lengths[i]].clone()
     model.train()
     mismatch = engine_trainer_mismatch([t for t, _ in kept], old, masks)
 

@@ -442,6 +442,12 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     return last
 
 
+def fmt(value, spec: str) -> str:
+    """A number for the step line, or "-" where there is none (a step with no update has no loss: every kept
+    advantage was 0; a step without tool calls has no tool error rate)."""
+    return "-" if value is None else format(value, spec)
+
+
 def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, stats: dict, update: dict, kept,
              all_trajs, t0: float, t_roll: float, cursor: int, heldout, bar) -> dict:
     """One line of metrics.jsonl (the final held-out evaluation too), the samples, the progress bar, the curves."""
@@ -460,11 +466,11 @@ def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, sta
     write_samples(run_dir, step, kept, rt.tokenizer, cfg.samples_per_step)
     bar.update(1)
     bar.set_postfix(reward=f"{stats['reward']:.2f}", kept=stats["groups_kept"],
-                    loss=f"{update['loss']:.4f}" if update["loss"] is not None else "-")
+                    loss=fmt(update["loss"], ".4f"))
     log(f"step {step:4d} | reward {stats['reward']:.3f} | groups kept {stats['groups_kept']}/"
         f"{stats['problems_drawn']} | tool calls/traj {stats['tool_calls_per_traj']:.2f} | "
-        f"tool err {stats['tool_error_rate'] if stats['tool_error_rate'] is not None else float('nan'):.2f} | "
-        f"len {stats['response_len']:.0f} | loss {update['loss'] if update['loss'] is not None else float('nan'):.4f}"
+        f"tool err {fmt(stats['tool_error_rate'], '.2f')} | "
+        f"len {stats['response_len']:.0f} | loss {fmt(update['loss'], '.4f')}"
         f" | {dt:.1f}s | {row['peak_mem_gb']:.1f} GB"
         + (f" | WARNING sandbox isolation {row['sandbox_isolation']}" if row["sandbox_isolation"] == "none" else ""))
     if heldout is not None:
