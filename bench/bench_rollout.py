@@ -4,9 +4,10 @@ Two measurements, in one run, with the default SmolLM2-135M-Instruct model:
 
 1. engine vs its baseline vs generate: one batch of prompts, sampled at temperature 1 with the same
    max_new_tokens, through TransformersEngine.decode_wave (per-request generators, rows leave the batch when
-   they stop), through the TransformersEngine of a baseline revision (engines.py from git, --baseline, at its
-   batch size, on its own copy of the model), and through plain model.generate(do_sample=True). Tokens/s
-   counts the tokens each returns up to and including eos.
+   they stop), through the same engine on a bf16 copy of the model (what precision=auto runs where the CPU
+   has bf16 units; elsewhere bf16 is emulated and slower), through the TransformersEngine of a baseline
+   revision (engines.py from git, --baseline, at its batch size, on its own copy of the model), and through
+   plain model.generate(do_sample=True). Tokens/s counts the tokens each returns up to and including eos.
 2. scheduler vs turn-synchronous loop: the same problems, samples and seed through run_rollouts twice:
      ours          requests go to the engine as soon as they are ready, tool calls overlap generation
      synchronous   RolloutConfig(deterministic=True): every turn waits until all trajectories have generated
@@ -101,6 +102,10 @@ baseline_engine = old.TransformersEngine(models.load_model(path), tokenizer, max
 baseline_tokens, baseline_s = decode_all(baseline_engine)
 del baseline_engine
 engine_tokens, engine_s = decode_all(engine)
+bf16_engine = scheduler.TransformersEngine(models.load_model(path, dtype=torch.bfloat16), tokenizer,
+                                           max_batch=args.max_batch, kv_capacity_tokens=10**7)
+bf16_tokens, bf16_s = decode_all(bf16_engine)
+del bf16_engine
 
 tokenizer.padding_side = "left"
 batch = tokenizer([tokenizer.decode(p) for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -116,6 +121,7 @@ for row in out[:, batch.input_ids.shape[1]:].tolist():
     ends = [i for i, t in enumerate(row) if t in eos]
     generate_tokens += ends[0] + 1 if ends else len(row)
 print(json.dumps({"engine_tokens": engine_tokens, "engine_s": round(engine_s, 2),
+                  "engine_bf16_tokens": bf16_tokens, "engine_bf16_s": round(bf16_s, 2),
                   "baseline_tokens": baseline_tokens, "baseline_s": round(baseline_s, 2),
                   "generate_tokens": generate_tokens, "generate_s": round(generate_s, 2)}), flush=True)
 
@@ -153,6 +159,9 @@ print(json.dumps({
     "baseline_engine_tok_s": round(baseline_tokens / baseline_s, 1),
     "engine_over_baseline": round((engine_tokens / engine_s) / (baseline_tokens / baseline_s), 3),
     "engine_over_generate": round((engine_tokens / engine_s) / (generate_tokens / generate_s), 3),
+    "engine_bf16_tok_s": round(bf16_tokens / bf16_s, 1), "bf16_units": models.bf16_is_fast("cpu"),
+    "engine_bf16_over_fp32": round((bf16_tokens / bf16_s) / (engine_tokens / engine_s), 3),
+    "engine_bf16_over_baseline": round((bf16_tokens / bf16_s) / (baseline_tokens / baseline_s), 3),
     "engine_batch": args.max_batch, "baseline_batch": args.baseline_batch, "baseline": args.baseline,
     "scheduler_tok_s": round(ours_tps, 1), "synchronous_tok_s": round(sync_tps, 1),
     "scheduler_over_synchronous": round(ours_tps / sync_tps, 3),
