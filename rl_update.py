@@ -18,12 +18,9 @@ Under torchrun (distributed.py) every rank runs policy_update on the same batch 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
 
+from config import Config, Runtime
 from distributed import DIST, all_ranks_max, all_ranks_sum, clip_gradients, my_micro_batches, rank_shares
-
-if TYPE_CHECKING:  # (names only: rstar2_mini imports this module)
-    from rstar2_mini import Config, Runtime
 
 
 # ----------------------------------------------------------------------------------------------------------

