@@ -21,8 +21,8 @@ class SFTConfig:
     name_share: float = 0.7          # programs whose last line prints a nested expression are rewritten to
                                      # `result = expr` + `print(result)` (a 135M model miscounts closing
                                      # parentheses: "unmatched ')'" was its most common error, README)
-    math_share: float | None = None  # None: the preset's mix (chores.CHORES, about a quarter everyday-math chores);
-                                     # a share: tool examples drawn from chores.MATH_CHORES (three more kinds)
+    math_share: float | None = None  # None: the preset's mix (chores_math.CHORES, a quarter everyday-math chores);
+                                     # a share: tool examples drawn from chores_math.MATH_CHORES (three more kinds)
                                      # with this probability, else from EVERYDAY_CHORES (0.5: docs/design.md)
     data_jsonl: str | None = None    # extra chat examples {"messages": [...]} (real function-calling sets on GPU)
     epochs: int = 1                  # paper: 3 (over 222K examples); one pass over a small varied set here

@@ -2,7 +2,8 @@
 
 Before RL the paper fine-tunes the base model on data that teaches *no* math reasoning: how to call the tool, how
 to follow instructions and the answer format, and how to chat. This module builds such data locally (nothing is
-downloaded), from the chores and direct questions of chores.py, and hands sft.py a list of Trajectories:
+downloaded), from the chores and direct questions of chores.py and chores_math.py, and hands sft.py a list of
+Trajectories:
 
     draft_example(seed, i, cfg) -> Draft: question + one or two tool calls (reason, code, stdin) + final turn
       -> every program runs in the real SandboxPool -> format_tool_response(result)  (real tool outputs, errors too)
@@ -36,7 +37,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chores import CHORES, EVERYDAY_CHORES, MATH_CHORES, chore_programs, direct_example
+from chores import EVERYDAY_CHORES, chore_programs, direct_example
+from chores_math import CHORES, MATH_CHORES
 from scheduler import (IM_END, IM_START, TOOL_NAME, Segment, Trajectory, encode, encode_tool_response,
                        render_prompt, tool_response_text)
 from sft_config import SFTConfig

@@ -16,7 +16,8 @@ import eval as grader
 import model as models
 import sft
 import sft_data
-from chores import CHORES, chore_programs
+from chores import chore_programs
+from chores_math import CHORES
 from sandbox import SandboxPool
 from scheduler import IM_END, TOOL_NAME, Trajectory, parse_tool_call, render_prompt
 
@@ -131,7 +132,7 @@ def test_the_everyday_math_chores_print_their_answer_in_every_style():
     print exactly it, over enough seeds to reach every kind of question."""
     import random
 
-    import chores
+    import chores_math as chores
     kinds = {chores.range_count: 3, chores.range_total: 2, chores.choose_ways: 3, chores.sympy_chore: 5,
              chores.hex_color: 3, chores.number_in_sentence: 3}
     for chore_fn, n_kinds in kinds.items():
@@ -162,7 +163,7 @@ def test_the_added_math_chores_are_right_by_an_independent_count():
     import random
     import re as regex
 
-    import chores
+    import chores_math as chores
     for seed in range(40):
         chore = chores.digit_check(random.Random(seed))
         n, total = int(regex.search(r"\d{6,}", chore.question).group()), 0
