@@ -71,6 +71,15 @@ class Config:
     drop_all_equal: bool = True       # drop groups whose rewards are all equal (zero advantage)
     clip_low: float = 0.2             # epsilon_low
     clip_high: float = 0.28           # epsilon_high (clip-higher, DAPO)
+    # off-policy correction for the sampler/trainer gap (not in the paper; grpo_roc.sampler_weights, docs/design.md):
+    # r_t = pi_old / pi_sampler per model token. off (the paper's loss exactly) | tis (w_t = min(r_t, C), as TRL by
+    # default) | mask_token (drop tokens with r_t outside the band) | mask_seq (drop sequences whose geometric mean
+    # of r_t leaves it) | auto: tis where the engine's precision or code differs from the trainer's (bf16 engine
+    # copy, vLLM, GPU), off where both run the same fp32 code (rl_update.sampler_correction_mode)
+    sampler_correction: str = "auto"
+    sampler_cap: float = 2.0          # C of tis (>= 1)
+    sampler_mask_low: float = 0.5     # the band [low, high] of mask_token / mask_seq (low <= 1 <= high)
+    sampler_mask_high: float = 2.0
     # optimization (paper section 4: AdamW, lr 1e-6 constant after warm-up)
     lr: float = 1e-6
     warmup_steps: int = 20            # optimizer steps of linear warm-up
@@ -78,6 +87,16 @@ class Config:
     grad_clip: float = 1.0
     minibatches: int = 1              # optimizer steps per RL step (mini-batches of the kept trajectories)
     micro_batch_tokens: int = 4096    # tokens per forward/backward; gradients accumulate over micro-batches
+    # memory at paper scale (memory_plan.py, docs/memory.md): a GPU run whose plan does not fit refuses to start
+    logprob_chunk_tokens: int = 1024  # tokens whose vocabulary-wide logits exist at once (models.chunked_logprobs;
+                                      # <= 0: all of a micro-batch's at once, ~2 MB a token at V = 151,936)
+    activation_checkpointing: bool = False  # keep one hidden state per decoder layer and token for backward, run
+                                      # each layer again there (models.layers_checkpointed)
+    plan: bool = False                # --plan: print the memory plan and exit
+    gpus: int = 0                     # the plan's GPUs (0: those torch sees)
+    gpu_memory_gb: float = 0.0        # the plan's GiB per GPU as torch reports it (0: the GPU's own; H100 79.2)
+    ranks: int = 0                    # the plan's training processes (0: torchrun's WORLD_SIZE, else one per GPU
+                                      # for --plan on paper preset; 1 = one process)
     # evaluation and logging
     eval_problems: int = 32           # held-out generated problems evaluated before and after training
     eval_samples: int = 2             # samples per problem (pass@1 averaged over them)
@@ -112,9 +131,14 @@ PRESETS = {
                 eval_problems=22, eval_samples=2, hard_scan=32, sft_examples=304, levels=(1,),
                 scan_problems=2, scan_samples=4, scan_every=3),
     # One 8-GPU node: the paper's numbers (Table/section 4); lengths per stage come from STAGES below.
+    # hard_scan: the paper scans all 42K problems with 8 rollouts each (336K rollouts, ~20 of its steps' 16K) on
+    # 64 GPUs. On one node at an assumed 2,500 generated tokens/s per engine (7 engines; not measured here, no
+    # GPU) and ~3K tokens a rollout, that is ~16 h; 8,192 problems take ~3 h and, at the paper's 41% share
+    # (17.3K of 42K), leave ~3.4K hard problems for stage 3's 125 steps (docs/memory.md).
     "paper": dict(steps=300, groups_per_step=512, group_size=16, oversample=2, max_turns=10,
-                  max_response_tokens=8192, lr=1e-6, warmup_steps=20, minibatches=1, micro_batch_tokens=32768,
-                  eval_problems=256, eval_samples=16, hard_scan=42000, engine_batch=256, chunk_tokens=512,
+                  max_response_tokens=8192, lr=1e-6, warmup_steps=20, minibatches=1, micro_batch_tokens=8192,
+                  activation_checkpointing=True, logprob_chunk_tokens=1024,
+                  eval_problems=256, eval_samples=16, hard_scan=8192, engine_batch=256, chunk_tokens=512,
                   sft_examples=222000, sft_epochs=3, sft_lr=5e-6, sft_batch=64, levels=(1, 2, 3)),
 }
 

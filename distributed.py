@@ -33,27 +33,32 @@ class Dist:
     rank: int = 0
     world: int = 1
     cpu_group: object = None  # GPUs: a gloo group, so ranks waiting for rank 0 wait on the CPU (see from_rank0)
+    device: str = "cpu"       # where the ranks train: "cuda" (NCCL) or "cpu" (gloo)
+    waits: int = 0            # wait_for_rank0's counter: the same sequence on every rank
 
 
 DIST = Dist()  # set by init_distributed(); like nanoGPT's ddp_rank / ddp_world_size
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 
 
-def init_distributed() -> None:
-    """Join torchrun's process group (NCCL on GPUs, gloo on CPUs); nothing to do in a single process."""
+def init_distributed(device: str = "cpu") -> None:
+    """Join torchrun's process group (NCCL on GPUs, gloo on CPU ranks); nothing to do in a single process.
+    `device` is model.training_device's answer: a run that expects GPUs and has none stopped before this."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return
     import torch
     import torch.distributed as dist
 
+    gpu = device == "cuda"
     if not dist.is_initialized():
-        if torch.cuda.is_available():
+        if gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        # rank 0 alone runs rollouts and evaluations while the others wait in a collective: allow it hours
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=datetime.timedelta(hours=12))
-    DIST.rank, DIST.world = dist.get_rank(), dist.get_world_size()
-    if torch.cuda.is_available():  # an NCCL wait spins a kernel on the GPU that rank 0's vLLM engines share
-        DIST.cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=12))
+        # Collectives start only when every rank is there: the long phases of rank 0 alone (rollouts, scans,
+        # evaluations) are waited out in wait_for_rank0 first, so this timeout only bounds a real hang.
+        dist.init_process_group("nccl" if gpu else "gloo", timeout=COLLECTIVE_TIMEOUT)
+    DIST.rank, DIST.world, DIST.device = dist.get_rank(), dist.get_world_size(), device
+    if gpu:  # an NCCL wait spins a kernel on the GPU that rank 0's vLLM engines share
+        DIST.cpu_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
 
 def close_distributed() -> None:
@@ -78,7 +83,11 @@ def without_torchrun_env():
 
 
 def shard_policy(model, bf16: bool):
-    """FSDP2: every decoder layer is a unit whose weights are gathered just for its forward and backward."""
+    """FSDP2: every decoder layer is a unit whose weights are gathered just for its forward and backward, and so are
+    the input embeddings and the output head (one unit when they share their weight). Left in the root unit, they
+    would stay gathered in bf16 from the forward to the end of the backward (torch keeps the root unsharded after
+    forward): 2 x 1.6 GB at 14B, V x H each (memory_plan.py counts each unit: gathered bf16 weights, their
+    gradient, the fp32 reduce-scatter buffers)."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -86,6 +95,12 @@ def shard_policy(model, bf16: bool):
         MixedPrecisionPolicy()
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head.weight is embed.weight:   # tied (SmolLM2, Qwen2.5-1.5B): one unit, gathered once a forward
+        fully_shard([embed, head], mp_policy=mp)
+    else:
+        fully_shard(embed, mp_policy=mp)
+        fully_shard(head, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
 
@@ -142,18 +157,41 @@ def all_ranks_reduce(values: list[float], op: str) -> list[float]:
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=DIST.device)
     dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return t.tolist()
 
 
+def wait_for_rank0(poll=datetime.timedelta(minutes=5)) -> None:
+    """Every rank but 0 waits here, without a deadline, until rank 0 arrives. Rank 0 alone runs rollouts, difficulty
+    scans (stage 3's takes hours at paper scale) and evaluations while the others wait; a collective would time
+    out (COLLECTIVE_TIMEOUT), so they wait on a key in torchrun's store, polled every `poll`, and the collective
+    that follows starts with every rank present. If rank 0 dies, torchrun stops the others."""
+    if DIST.world == 1:
+        return
+    import torch.distributed as dist
+
+    DIST.waits += 1
+    key, store = f"rstar2/rank0_ready/{DIST.waits}", dist.distributed_c10d._get_default_store()
+    if DIST.rank == 0:
+        store.set(key, "1")
+        return
+    while True:
+        try:
+            store.wait([key], poll)
+            return
+        except dist.DistStoreError:  # the poll ran out: rank 0 is still busy, wait again (a lost store raises)
+            continue
+
+
 def from_rank0(obj):
     """Rank 0's object on every rank (pickled; the other ranks pass anything). The other ranks wait here while
-    rank 0 runs rollouts: on GPUs over the gloo group, on the CPU."""
+    rank 0 runs rollouts (wait_for_rank0), then receive it: on GPUs over the gloo group, on the CPU."""
     if DIST.world == 1:
         return obj
     import torch.distributed as dist
 
+    wait_for_rank0()
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=DIST.cpu_group)
     return box[0]
@@ -164,6 +202,7 @@ def barrier() -> None:
     if DIST.world > 1:
         import torch.distributed as dist
 
+        wait_for_rank0()  # the ranks most often wait for rank 0's files (checkpoints) and rollouts here
         dist.barrier(group=DIST.cpu_group)
 
 
@@ -181,14 +220,70 @@ def full_state(model, optimizer=None) -> tuple[dict | None, dict | None]:
     return (weights, opt) if DIST.rank == 0 else (None, None)
 
 
-def load_optimizer_state(model, optimizer, state: dict) -> None:
-    """The inverse of full_state's optimizer part: every rank takes its shard of the full state."""
+def load_optimizer_state(model, optimizer, state: dict | None) -> None:
+    """The inverse of full_state's optimizer part. Under torchrun only rank 0 holds the full state (the fp32
+    AdamW moments are 8 bytes x P: 118 GB at 14B; load_trainer_state reads it there alone, memory-mapped); the
+    other ranks pass None and torch's state-dict API broadcasts each rank its shard from rank 0."""
     if DIST.world == 1:
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    # torch sizes each rank's shards from its own (empty) state, which it creates with a zero step of the
+    # optimizer only where no parameter holds a gradient: drop any left over from an earlier update
+    optimizer.zero_grad(set_to_none=True)
+    wait_for_rank0()
+    set_optimizer_state_dict(model, optimizer, state if DIST.rank == 0 else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def load_trainer_state(path) -> dict:
+    """A checkpoint's trainer_state.pt on every rank, read from disk by rank 0 alone and memory-mapped (pages are
+    read as they are used, and freed with the dict). Its small part (step, cursor, random states, ...) reaches
+    every rank; its optimizer state stays on rank 0 ("optimizer" is None elsewhere; load_optimizer_state
+    broadcasts the shards)."""
+    import torch
+
+    state = torch.load(path, weights_only=False, mmap=True) if DIST.rank == 0 else None
+    if DIST.world == 1:
+        return state
+    small = from_rank0({k: v for k, v in state.items() if k != "optimizer"} | {"has_optimizer": state.get(
+        "optimizer") is not None} if DIST.rank == 0 else None)
+    has_optimizer = small.pop("has_optimizer")
+    return small | {"optimizer": state["optimizer"] if DIST.rank == 0 else ({} if has_optimizer else None)}
+
+
+def sharded_policy_from_rank0(path, device: str, bf16: bool):
+    """The fp32 master weights, sharded over the ranks, read from disk by rank 0 alone (a 14B model is 59 GB in
+    fp32: on every rank of a node that is 0.5 TB of host RAM). Every rank builds the model on the meta device (no
+    memory), shards it (shard_policy) and allocates its shards; rank 0's full state dict is broadcast shard by
+    shard (torch's set_model_state_dict, broadcast_from_rank0), and the buffers a state dict leaves out (RoPE's
+    inv_freq) are broadcast from rank 0's copy."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import model as models
+
+    full = models.load_model(path, dtype=torch.float32, device="cpu") if DIST.rank == 0 else None
+    with torch.device("meta"):
+        policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=torch.float32)
+    if full is not None:
+        policy.generation_config = full.generation_config
+    policy = shard_policy(policy, bf16=bf16)
+    policy.to_empty(device=device)
+    wait_for_rank0()
+    set_model_state_dict(policy, full.state_dict() if full is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    own = dict(full.named_buffers()) if full is not None else {}
+    with torch.no_grad():
+        for name, buf in policy.named_buffers():
+            if DIST.rank == 0:
+                buf.copy_(own[name])
+            dist.broadcast(buf, src=0)
+    del full, own
+    return policy
 
 
 def clip_gradients(model, max_norm: float) -> float:

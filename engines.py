@@ -76,9 +76,17 @@ def request_seed(seed: int, problem_index: int, sample_index: int, turn: int, ch
     return int.from_bytes(digest[:8], "little") >> 1  # 63 bits: torch.Generator.manual_seed takes it
 
 
+TURN_END = "<|im_end|>"  # ChatML's end of a turn: what the SFT teaches the policy to write (protocol.py)
+
+
 def eos_token_ids(tokenizer, model=None) -> set[int]:
-    """End-of-turn tokens: the tokenizer's eos (<|im_end|> for ChatML models) and the model's generation eos."""
+    """End-of-turn tokens: the tokenizer's eos, the model's generation eos, and <|im_end|> whenever the vocabulary
+    has it. An instruct checkpoint's eos is <|im_end|> already; a base checkpoint's (Qwen3-*-Base, the paper's
+    starting point) is <|endoftext|>, so without the third every SFT-taught turn would run to the length budget."""
     ids = {tokenizer.eos_token_id}
+    turn_end = tokenizer.convert_tokens_to_ids(TURN_END)  # unk (or None) in a vocabulary without it
+    if turn_end is not None and tokenizer.convert_ids_to_tokens(turn_end) == TURN_END:
+        ids.add(turn_end)
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
     return {i for i in ids if i is not None}
@@ -99,8 +107,12 @@ def sample_rows(logits, temperatures, top_ps, generators):
         if t <= 0:
             tok = int(torch.argmax(logp[row]))
         elif p >= 1.0:  # inverse CDF: one uniform per row (multinomial draws 49K exponentials: 8% of a step)
-            cdf = torch.cumsum(logp[row].exp(), 0)
-            u = torch.rand(1, generator=gen, device=logp.device, dtype=cdf.dtype) * cdf[-1]
+            # token k for u * cdf[-1] in [cdf[k-1], cdf[k]), sums and u in float64: in float32 the sum's step near
+            # its top is 6e-8, so at 49,152 tokens hundreds to tens of thousands of them had an interval of width
+            # 0 (never drawn) and others were rounded up (total variation 3e-4 from the softmax); float32's u
+            # reaches only 2^24 points. In float64 both steps are ~1e-16 (tests/test_scheduler.py).
+            cdf = torch.cumsum(logp[row].exp(), 0, dtype=torch.float64)  # exp in float32: relative error 6e-8 each
+            u = torch.rand(1, generator=gen, device=logp.device, dtype=torch.float64) * cdf[-1]
             tok = min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
         else:  # nucleus: the smallest set of most likely tokens whose mass reaches p
             probs, order = torch.sort(logp[row].exp(), descending=True)

@@ -680,6 +680,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="CPU engine: sequences decoded together")
     ap.add_argument("--engine", default="auto", help="auto (vLLM on GPUs when installed, else ours) | vllm | "
                     "transformers")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="the engine's weights: auto = bf16 on GPUs and on CPUs with bf16 units, else float32")
     ap.add_argument("--show", type=int, default=0, help="print N trajectories readably")
     ap.add_argument("--out", help="directory for result.json and result.md (default: print only)")
     args = ap.parse_args(argv)
@@ -712,19 +714,19 @@ def main(argv=None) -> int:
 
     tokenizer = models.load_tokenizer(path)
     loop = asyncio.new_event_loop()
+    bf16 = None if args.dtype == "auto" else args.dtype == "bfloat16"   # (GPUs: bf16 whatever the option)
     if use_vllm:  # nothing else on the GPUs: one engine on each, as much of it as vLLM wants
         engines = scheduler.VLLMEngine.launch(str(path), loop, seed=args.seed, max_model_len=args.max_tokens + 2048,
-                                              dtype="bfloat16" if device == "cuda" or models.bf16_is_fast()
-                                              else "float32")
+                                              dtype=str(models.engine_dtype(bf16, device)).removeprefix("torch."))
     else:
-        engines = [scheduler.TransformersEngine(models.load_model(path, dtype=models.engine_dtype(None, device),
+        engines = [scheduler.TransformersEngine(models.load_model(path, dtype=models.engine_dtype(bf16, device),
                                                                   device=device),   # bf16 where that is fast
                                                 tokenizer, max_batch=args.batch, device=device)]
     cfg = scheduler.RolloutConfig(max_turns=args.max_turns, max_response_tokens=args.max_tokens,
                                   temperature=args.temperature, top_p=args.top_p)
     pool = sandbox.SandboxPool()
-    loop.run_until_complete(pool.start())
-    try:
+    try:  # (the pool starts inside: if it cannot, the engines still stop)
+        loop.run_until_complete(pool.start())
         summary, groups = evaluate(engines, pool, tokenizer, problems, args.samples, cfg, loop, seed=args.seed)
     finally:
         scheduler.shutdown_engines(engines)

@@ -19,6 +19,8 @@ Data flow (one RL step, see DESIGN.md):
   per group:       drop_uninformative -> roc_downsample(rewards, p_total, keep=G) -> drop_uninformative(kept)
                    -> group_advantages(kept rewards)
   per batch:       policy_loss(new log-probs, old log-probs, advantages, loss mask) -> backward
+  (not in the paper) sampler_weights(old log-probs, the engine's sampling log-probs) -> policy_loss(weights=...):
+                   the off-policy correction for the gap between the engine that sampled and the trainer
 
 Where the released code (volcengine/verl, recipe/rstar2_agent/src/down_sample/roc.py) differs from the paper,
 this file follows the paper; each difference is named in a comment marked "Released code:".
@@ -36,6 +38,7 @@ ROC_EPS = 1e-6   # weight_i = 1 / (p_total_i + ROC_EPS): a zero-penalty positive
                  # is picked before any penalised one (the eps -> 0 limit of "inversely proportional").
 ADV_EPS = 1e-6   # A_i = (r_i - mean) / (std + ADV_EPS), as in verl's GRPO estimator
 ROC_MODES = ("roc", "topk", "none")
+SAMPLER_CORRECTIONS = ("off", "tis", "mask_token", "mask_seq")   # sampler_weights ("auto" is rl_update's)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -161,11 +164,66 @@ def group_advantages(rewards: Sequence[float]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Off-policy correction for the sampler/trainer gap (not in the paper; TRL, verl, slime and SkyRL offer it)
+#
+# The tokens were drawn by the engine (vLLM in bf16, or the CPU engine's bf16 copy), pi_sampler, but the loss's
+# ratio rho = pi_theta / pi_old uses the trainer's own pi_old: the batch is slightly off-policy. Importance
+# sampling from pi_sampler to pi_old reweighs each token by r_t = pi_old(t) / pi_sampler(t); truncated, or
+# turned into a keep/drop mask, it bounds the variance that a rare large r_t would bring.
+
+def sampler_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, mode: str,
+                    cap: float = 2.0, low: float = 0.5, high: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token weights of the correction, (weights [B, T] float32, corrected [B, T] bool), no grad.
+
+    old_logprobs [B, T]: log pi_old, the trainer's recomputation; sampler_logprobs [B, T]: the engine's log-probs
+    of the same tokens; mask [B, T]: 1 = a model token. With r_t = pi_old(t) / pi_sampler(t):
+      off:        w_t = 1
+      tis:        w_t = min(r_t, cap)                          (truncated importance sampling; TRL's default)
+      mask_token: w_t = 1 if low <= r_t <= high else 0
+      mask_seq:   w_t = 1 if low <= g_i <= high else 0 for every token of sequence i, g_i = (prod_t r_t)^(1/n_i)
+                  the geometric mean over its n_i model tokens (a plain product would vanish or explode with
+                  length); the geometric mean moves far less than single ratios, so a tight band suits it.
+    corrected: the model tokens whose weight the correction changed: truncated (tis, r_t > cap) or dropped
+    (w_t = 0). Positions where mask is 0 get weight 0 and are never corrected.
+    cap >= 1 and low <= 1 <= high, so that identical log-probs (r = 1) give w = 1 exactly: the paper's loss.
+    """
+    if mode not in SAMPLER_CORRECTIONS:
+        raise ValueError(f"sampler_weights: unknown mode {mode!r}; allowed: {', '.join(SAMPLER_CORRECTIONS)}")
+    if not cap >= 1.0:
+        raise ValueError(f"sampler_weights: cap must be >= 1 (r = 1 must keep weight 1), got {cap}")
+    if not low <= 1.0 <= high:
+        raise ValueError(f"sampler_weights: the band [{low}, {high}] must contain 1 (r = 1 must keep its token)")
+    if old_logprobs.shape != sampler_logprobs.shape or old_logprobs.shape != mask.shape or old_logprobs.dim() != 2:
+        raise ValueError(f"sampler_weights: old {tuple(old_logprobs.shape)}, sampler "
+                         f"{tuple(sampler_logprobs.shape)} and mask {tuple(mask.shape)} must all be the same [B, T]")
+    m = mask.bool()
+    with torch.no_grad():
+        # float64: a geometric mean over thousands of tokens, and r = 1 exactly where the log-probs are equal
+        log_r = torch.where(m, old_logprobs.double() - sampler_logprobs.double(), 0.0)   # log r_t
+        r = torch.exp(log_r)                                                             # r_t = pi_old / pi_sampler
+        if mode == "off":
+            w = torch.ones_like(r)
+            corrected = torch.zeros_like(m)
+        elif mode == "tis":
+            w = torch.clamp(r, max=cap)                        # w_t = min(r_t, C)
+            corrected = r > cap
+        elif mode == "mask_token":
+            w = ((r >= low) & (r <= high)).double()            # w_t = 1[low <= r_t <= high]
+            corrected = w == 0
+        else:  # mask_seq
+            n = m.sum(dim=-1, keepdim=True).clamp(min=1)
+            geo = torch.exp(log_r.sum(dim=-1, keepdim=True) / n)   # g_i = exp(mean_t log r_t) = (prod_t r_t)^(1/n_i)
+            w = ((geo >= low) & (geo <= high)).double().expand_as(r)   # every token of the sequence alike
+            corrected = w == 0
+        return torch.where(m, w, 0.0).float(), corrected & m
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Clipped token-level policy loss (section 2.2)
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
-                num_tokens: int | None = None, return_stats: bool = False):
+                num_tokens: int | None = None, return_stats: bool = False, weights: torch.Tensor | None = None):
     """L = -(1 / N) * sum over model tokens (i, t) of min(rho * A_i, clip(rho, 1 - clip_low, 1 + clip_high) * A_i),
     rho = exp(logprobs - old_logprobs). No KL, no entropy.
 
@@ -180,6 +238,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     would weigh the tokens of short micro-batches more).
     return_stats: also return {"clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min",
     "ratio_max", "approx_kl", "num_tokens"}, computed over this call's masked tokens.
+    weights: [B, T] (sampler_weights; not in the paper), or None: the paper's loss, by the very code of today.
+    L = -(1 / N) * sum over model tokens of w_t * min(rho A, clip(rho) A), a constant weight (detached) per token.
+    A token of weight 0 (dropped by mask_token / mask_seq) leaves the sum and the count N alike, as in verl and
+    slime (TRL keeps it in N): the loss is the mean over the tokens kept, however many the band dropped. (Pass
+    num_tokens counted the same way.) With every weight 1 the value and the gradient are bitwise the paper's.
     """
     if logprobs.dim() != 2 or logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(f"policy_loss: logprobs {tuple(logprobs.shape)}, old_logprobs "
@@ -190,6 +253,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         raise ValueError(f"policy_loss: advantages {tuple(advantages.shape)} must be [B] or [B, T] "
                          f"for logprobs {tuple(logprobs.shape)}")
     m = mask.bool()
+    if weights is not None:
+        if weights.shape != logprobs.shape:
+            raise ValueError(f"policy_loss: weights {tuple(weights.shape)} must be [B, T] = {tuple(logprobs.shape)}")
+        m = m & (weights.detach() > 0)                 # weight 0: the token leaves the mean (N counts the kept)
     count = int(m.sum())
     if num_tokens is None:
         num_tokens = max(count, 1)                     # an all-masked batch gives loss 0, not 0 / 0
@@ -203,6 +270,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     unclipped = ratio * adv                                               # rho_t * A
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv  # clip(rho_t, 1-eps_low, 1+eps_high) * A
     per_token = -torch.minimum(unclipped, clipped)                        # -min(rho A, clip(rho) A)
+    if weights is not None:
+        per_token = per_token * torch.where(m, weights.detach().float(), 0.0)   # w_t * -min(rho A, clip(rho) A)
     # Released code: verl's actor loss, which the recipe runs, also applies dual-clip by default (for A < 0 the
     # loss is capped at -3 * A, clip_ratio_c = 3); the paper's objective has no such term and neither has this.
     loss = torch.where(m, per_token, 0.0).sum() / num_tokens             # (1 / N) * sum over model tokens

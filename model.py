@@ -185,6 +185,57 @@ def engine_dtype(bf16: bool | None = None, device: str = "cpu"):
     return torch.bfloat16 if (bf16_is_fast(device) if bf16 is None else bf16) else torch.float32
 
 
+class NoUsableGPU(RuntimeError):
+    """The run expects GPUs (the paper preset, torchrun ranks) and torch sees none: the message names the cause."""
+
+
+def gpu_unavailable_reason() -> str:
+    """Why torch.cuda.is_available() is False here: a CPU-only build, no driver, a driver older than the build's
+    CUDA (torch 2.13.0 on PyPI is a CUDA 13 build: NVIDIA driver >= 580), or a CUDA build on a ROCm node."""
+    import torch
+
+    if torch.version.cuda is None and torch.version.hip is None:
+        return (f"this torch ({torch.__version__}) is a CPU-only build: install a CUDA build "
+                f"(requirements-gpu.txt) or, on AMD GPUs, the ROCm build (docs/vllm.md)")
+    if torch.version.hip is not None:
+        return (f"this ROCm build of torch (HIP {torch.version.hip}) sees no GPU: check the amdgpu driver, that "
+                f"/dev/kfd is readable, and HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES")
+    if os.path.exists("/dev/kfd") and not os.path.exists("/dev/nvidiactl"):
+        return (f"this is an AMD (ROCm) node and torch is a CUDA {torch.version.cuda} build: install the ROCm "
+                f"build of torch (docs/vllm.md)")
+    try:
+        driver = int(torch._C._cuda_getDriverVersion())  # e.g. 12040 for CUDA 12.4; 0 without a driver
+    except (AttributeError, RuntimeError):
+        driver = 0
+    if driver == 0:
+        return f"torch is a CUDA {torch.version.cuda} build but no NVIDIA driver was found (nvidia-smi)"
+    return (f"the NVIDIA driver supports CUDA up to {driver // 1000}.{driver % 1000 // 10} and this torch is a "
+            f"CUDA {torch.version.cuda} build (CUDA 13 needs driver >= 580): update the driver or install a "
+            f"torch built for CUDA {driver // 1000}")
+
+
+def training_device(cfg) -> str:
+    """"cuda" or "cpu" for the trainer (and the in-process engine). cfg.device: auto | cuda | cpu. Under auto, a
+    GPU is used where torch sees one; the paper preset and torchrun ranks expect GPUs, and without one they stop
+    here with the cause (a 14B run quietly starting in fp32 on the CPU with gloo would be hours lost). CPU ranks
+    on purpose (tests, the vLLM CPU check) say so: --set device=cpu."""
+    import torch
+
+    if cfg.device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device {cfg.device!r}: choose auto, cuda or cpu")
+    if cfg.device == "cpu":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    wants = ("--set device=cuda" if cfg.device == "cuda" else "--preset paper" if cfg.preset == "paper"
+             else f"{ranks} torchrun ranks" if ranks > 1 else None)
+    if wants is None:
+        return "cpu"  # the laptop: one process on the CPU
+    raise NoUsableGPU(f"{wants} expects GPUs and torch sees none: {gpu_unavailable_reason()}. To train on CPU "
+                      f"ranks on purpose, pass --set device=cpu")
+
+
 def load_model(path: str | Path, dtype=None, device: str = "cpu"):
     """A causal LM in train-ready precision: float32 on CPU (master weights; sft.py autocasts its matmuls to bf16
     where bf16_is_fast), bf16 on GPU."""
@@ -208,6 +259,34 @@ def release_freed_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def free_between_phases() -> None:
+    """Between the phases of a step and between stages: collect reference cycles (FSDP2 modules and autograd
+    graphs keep some, so their tensors outlive the phase), hand the CUDA caching allocator's free blocks back
+    (vLLM's in-place weight reload rebuilds its largest layer on the GPU: ~1.6 GB at 14B needs room), and
+    malloc_trim the host heap. Tens of milliseconds: called a few times a step, not per decode step."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    release_freed_memory()
+
+
+def gpu_memory_peaks() -> tuple[float, float] | None:
+    """(allocated, reserved) peak GB of this process's GPU since the last call, or None without a GPU. The
+    allocated peak is what tensors needed; the reserved peak is what the caching allocator held (what another
+    process on the same GPU, vLLM, could not have)."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    peaks = torch.cuda.max_memory_allocated() / 1e9, torch.cuda.max_memory_reserved() / 1e9
+    torch.cuda.reset_peak_memory_stats()
+    return peaks
 
 
 def adamw(params, **hyper):
@@ -234,7 +313,8 @@ def _malloc_trim():
         return None
 
 
-def next_token_logits(model, ids, attention_mask, start: int, share_prefix: bool = True, keep=None, prefix_kv=None):
+def next_token_logits(model, ids, attention_mask, start: int, share_prefix: bool = True, keep=None, prefix_kv=None,
+                      logprobs_of=None):
     """Logits that predict ids[:, start:] (logits[b, j] predicts ids[b, start + j]), for right-padded rows
     whose first `start` tokens are the same (start >= 1). Used by the SFT loss and the RL log-probs.
 
@@ -249,7 +329,11 @@ def next_token_logits(model, ids, attention_mask, start: int, share_prefix: bool
     row-major order of `keep` (models.projection_only_at).
 
     prefix_kv: the KV of the rows' first p tokens (prefix_cache), computed once by the caller for several calls
-    (rl_update runs the system prompt once per mini-batch, not once per micro-batch); p < start."""
+    (rl_update runs the system prompt once per mini-batch, not once per micro-batch); p < start.
+
+    logprobs_of=(targets, temperature, chunk_tokens), with keep: instead of logits [K, V], the log-probabilities
+    [K] of targets (the token each kept logit predicts) at that temperature, a chunk of tokens at a time
+    (logprobs_at): full-vocabulary logits never exist for more than chunk_tokens tokens."""
     import inspect
 
     import torch
@@ -258,9 +342,15 @@ def next_token_logits(model, ids, attention_mask, start: int, share_prefix: bool
     B, L = ids.shape
     # the hidden state at t gives the logits for token t + 1: positions start-1 .. L-1 (the last predicts nothing)
     wanted = None if keep is None else torch.cat([keep, keep.new_zeros(B, 1)], dim=1)   # [B, L - start + 1]
+
+    def head():   # what the output head returns: logits at the wanted positions, or the targets' log-probs
+        return projection_only_at(model, wanted) if logprobs_of is None else logprobs_at(model, wanted, *logprobs_of)
+
     if prefix_kv is None and (not share_prefix or B == 1 or start < 2):
-        with projection_only_at(model, wanted):
-            logits = model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=L - start + 1).logits
+        with head():
+            # use_cache=False: a KV cache nobody reads would keep every layer's K and V alive until backward
+            logits = model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=L - start + 1,
+                           use_cache=False).logits
         return logits if keep is not None else logits[:, :-1]
     if prefix_kv is None:   # the shared prefix, once (its own logit is not needed: the tail starts one token earlier)
         p = start - 1
@@ -275,7 +365,7 @@ def next_token_logits(model, ids, attention_mask, start: int, share_prefix: bool
         layer.values = layer.values.expand(B, -1, -1, -1)
     positions = torch.arange(p, L, device=ids.device).unsqueeze(0).expand(B, -1)
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x / 4.x
-    with projection_only_at(model, wanted):
+    with head():
         logits = model(input_ids=ids[:, p:], attention_mask=attention_mask, position_ids=positions,
                        **{cache_kw: cache}).logits
     return logits if keep is not None else logits[:, skip:-1]
@@ -302,6 +392,152 @@ def projection_only_at(model, wanted):
         yield
     finally:
         hook.remove()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Memory at paper scale (memory_plan.py, docs/memory.md): the output head's logits a chunk of tokens at a time, and
+# activation checkpointing of the decoder layers. Both leave values and gradients as they were.
+
+
+@contextmanager
+def logprobs_at(model, wanted, targets, temperature: float, chunk_tokens: int):
+    """Inside: the model's output head returns, instead of logits, the log-probabilities [K] of `targets` [K] at the
+    K positions where `wanted` [B, T] is True: log_softmax(h W^T / T)[target], chunk_tokens tokens at a time
+    (chunked_logprobs). The head's own forward is replaced for the call, so the call to the model and to the head
+    stay as they were (FSDP gathers the head's weight around it, once, and its gradient is reduced once)."""
+    head = model.get_output_embeddings()
+
+    def forward(hidden):  # hidden [B, T, H], as the model hands it to its head
+        return chunked_logprobs(hidden[wanted], targets, head.weight, head.bias, temperature, chunk_tokens)
+
+    head.forward = forward   # an instance attribute: nn.Module.__call__ (and FSDP's hooks around it) call it
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def chunked_logprobs(hidden, targets, weight, bias, temperature: float, chunk_tokens: int):
+    """log_softmax(hidden W^T / T)[targets] for hidden [K, H], chunk_tokens rows at a time (<= 0: all at once, the
+    plain autograd computation).
+
+    Full-vocabulary logits cost ~12-14 bytes x V per token (bf16 logits 2, their fp32 copy 4, / T 4, log_softmax 4;
+    ~2 MB at V = 151,936): 64 GB for a 32K-token micro-batch. Chunked, the forward keeps only the hidden states and
+    the backward computes each chunk's logits again (ChunkedLogprobs), so logits exist for one chunk at a time.
+    Measured (bench/measure_memory.py): checkpointing each chunk with torch.utils.checkpoint does that too, but
+    autograd then sums the head's per-chunk weight gradients out of place: 3 x V x H bf16 at once (4.7 GB at 14B);
+    here they go into one buffer."""
+    if chunk_tokens <= 0:
+        return selected_logprobs(hidden, targets, weight, bias, temperature)
+    return chunked_logprobs_function().apply(hidden, targets, weight, bias, temperature, chunk_tokens)
+
+
+def selected_logprobs(hidden, targets, weight, bias, temperature: float):
+    """log pi(target | h) = log_softmax(h W^T / T)[target] for hidden [C, H], targets [C]: one chunk's log-probs."""
+    import torch
+
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()   # [C, V] (bf16 under autocast/FSDP, then fp32)
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def chunked_logprobs_function():
+    """The autograd function ChunkedLogprobs, defined on first use (this module imports torch lazily)."""
+    import torch
+
+    class ChunkedLogprobs(torch.autograd.Function):
+        """log_softmax(h W^T / T)[y], a chunk of C tokens at a time, forward and backward. The forward keeps h, W
+        and y; the backward computes each chunk's logits z again and writes the gradient out (p = softmax(z / T)):
+
+            d log p_y / d z = (onehot(y) - p) / T
+            dh = g W,  dW += g^T h,  db += sum g,    g = grad_out[:, None] * (onehot(y) - p) / T   [C, V]
+
+        dW is one buffer of W's shape, added to in place chunk after chunk (as Liger-Kernel's fused linear
+        cross-entropy does). The matmuls run in the dtype the forward's projection ran in (bf16 under autocast or
+        with FSDP's bf16 weights): values and gradients are the unchunked computation's (tests/test_memory_plan.py).
+        """
+
+        @staticmethod
+        def forward(ctx, hidden, targets, weight, bias, temperature, chunk):
+            out = torch.cat([selected_logprobs(hidden[s:s + chunk], targets[s:s + chunk], weight, bias, temperature)
+                             for s in range(0, max(hidden.shape[0], 1), chunk)])
+            # the dtype the projection computes in: bf16 under autocast (the CPU update) or with FSDP's bf16 weights
+            ctx.compute_dtype = torch.nn.functional.linear(hidden[:1], weight[:1]).dtype
+            ctx.save_for_backward(hidden, targets, weight, bias)
+            ctx.temperature, ctx.chunk = temperature, chunk
+            return out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            hidden, targets, weight, bias = ctx.saved_tensors
+            T, C, cd = ctx.temperature, ctx.chunk, ctx.compute_dtype
+            w = weight.to(cd)   # (a copy only under autocast over fp32 weights)
+            b = bias.to(cd) if bias is not None else None
+            dh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+            dw = torch.zeros_like(weight) if ctx.needs_input_grad[2] else None
+            db = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[3] else None
+            for s in range(0, hidden.shape[0], C):
+                h, y, go = hidden[s:s + C].to(cd), targets[s:s + C], grad_out[s:s + C]
+                z = torch.nn.functional.linear(h, w, b).float().div_(T)       # s = z / T  [C, V] fp32, in place
+                g = torch.softmax(z, dim=-1).mul_(-go.unsqueeze(-1))          # -grad * p
+                del z                                                         # (peak: ~10 bytes x C x V)
+                g[torch.arange(len(y), device=y.device), y] += go                              # + grad * onehot(y)
+                g = g.div_(T).to(cd)
+                if dh is not None:
+                    dh[s:s + C] = g @ w
+                if dw is not None:
+                    if dw.dtype == cd:
+                        dw.addmm_(g.t(), h)
+                    else:
+                        dw += (g.t() @ h).to(dw.dtype)
+                if db is not None:
+                    db += g.sum(0).to(db.dtype)
+            return dh, None, dw, db, None, None
+
+    return ChunkedLogprobs
+
+
+@contextmanager
+def layers_checkpointed(model, on: bool = True):
+    """Inside, with grad: activation checkpointing of every decoder layer. A layer keeps only its input (one
+    hidden state a token: 2 x hidden bytes in bf16, 10 KB at 14B) instead of everything its backward needs
+    (memory_plan.layer_bytes_per_token: 283 KB a token at 14B), and runs its forward again in backward.
+
+    Why not transformers' gradient_checkpointing_enable: it drops past_key_values inside checkpointed layers, and
+    rl_update feeds the shared prompt's KV through the cache. Here each layer's forward is replaced for the call
+    (an instance attribute, so FSDP2's hooks around the layer, which gather its weights, run as before), and the
+    recompute first puts the layer's cache entry back as the first run found it: the layer appends its KV to the
+    cache, and the second run must not append it twice. The recompute calls the original forward, so it works
+    after this scope has closed (backward runs outside it)."""
+    import torch
+
+    if not on or not torch.is_grad_enabled():
+        yield
+        return
+    layers = list(model.get_decoder().layers)
+    for layer in layers:
+        layer.forward = functools.partial(checkpointed_layer_forward, layer, layer.forward)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+def checkpointed_layer_forward(layer, forward, hidden_states, *args, **kwargs):
+    """layer.forward under torch.utils.checkpoint (non-reentrant), the layer's KV-cache entry restored on recompute."""
+    from torch.utils.checkpoint import checkpoint
+
+    cache = kwargs.get("past_key_values")
+    entry = cache.layers[layer.self_attn.layer_idx] if cache is not None else None
+    before = dict(vars(entry)) if entry is not None else None   # its keys/values before this layer appends its own
+
+    def run(*a, **kw):
+        if entry is not None:
+            vars(entry).update(before)
+        return forward(*a, **kw)
+
+    return checkpoint(run, hidden_states, *args, use_reentrant=False, **kwargs)
 
 
 def tiny_model(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2):

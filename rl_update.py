@@ -54,7 +54,8 @@ def shared_prefix_length(seqs: list[list[int]], masks: list[list[int]] | None = 
 
 
 def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share_prefix: bool = True,
-                   masks: list[list[int]] | None = None, prefix_kv=None):
+                   masks: list[list[int]] | None = None, prefix_kv=None, chunk_tokens: int = 1024,
+                   checkpoint_layers: bool = False):
     """log pi(x_t | x_<t) at temperature T, by absolute position: logprobs [B, L], logprobs[b, t] is the log-probability
     of seqs[b][t] given seqs[b][:t] (log_softmax(logits / temperature)), for every t >= 1 that is a real token;
     zero at t = 0 and on padding. masks (the loss masks, 1 = model token): only those tokens' logits are computed
@@ -64,7 +65,13 @@ def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share
     wanted token of every row (shared_prefix_length), so two passes over the same trajectory in different
     micro-batches give the same numbers to float rounding. share_prefix=False forwards the prefix with every row
     (one forward pass whatever the data: what FSDP's ranks need). prefix_kv: the KV of the rows' first tokens
-    (shared_prompt_kv), computed once for several calls."""
+    (shared_prompt_kv), computed once for several calls.
+
+    Memory (memory_plan.py): the kept tokens' log-probs are computed chunk_tokens at a time (cfg.logprob_chunk_tokens;
+    <= 0: all at once), so the vocabulary-wide logits exist for one chunk only, in forward and backward
+    (models.chunked_logprobs); checkpoint_layers (cfg.activation_checkpointing) keeps one hidden state per decoder
+    layer and token for backward instead of all its activations (models.layers_checkpointed). Neither changes a
+    value or a gradient (tests/test_memory_plan.py)."""
     import torch
 
     import model as models
@@ -80,9 +87,9 @@ def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share
         mask[b, :len(s)] = 1
         keep[b, 1:len(s)] = True if masks is None else torch.tensor(masks[b][1:], device=device) == 1
     keep[:, :P] = False   # (P never passes a wanted token: nothing is lost here)
-    logits = models.next_token_logits(model, ids, mask, P, share_prefix, keep=keep[:, P:],
-                                      prefix_kv=prefix_kv).float()  # [keep.sum(), V]
-    kept = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[keep].unsqueeze(-1)).squeeze(-1)
+    with models.layers_checkpointed(model, checkpoint_layers):   # log_softmax(logits / T)[x_t], [keep.sum()]
+        kept = models.next_token_logits(model, ids, mask, P, share_prefix, keep=keep[:, P:], prefix_kv=prefix_kv,
+                                         logprobs_of=(ids[keep], temperature, chunk_tokens))
     return torch.zeros(B, L, dtype=kept.dtype, device=device).masked_scatter(keep, kept)
 
 
@@ -150,10 +157,11 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
 
     def logprobs(mb, prompt_kv=None):
         """log pi [rows, L] for a micro-batch; None is a rank's empty pass (distributed.my_micro_batches)."""
+        memory = dict(chunk_tokens=cfg.logprob_chunk_tokens, checkpoint_layers=cfg.activation_checkpointing)
         if mb is None:
-            return token_logprobs(model, [seqs[0][:2]], cfg.temperature, share_prefix=world == 1)
+            return token_logprobs(model, [seqs[0][:2]], cfg.temperature, share_prefix=world == 1, **memory)
         return token_logprobs(model, [seqs[i] for i in mb], cfg.temperature, share_prefix=world == 1,
-                              masks=[masks[i] for i in mb], prefix_kv=prompt_kv)  # only model tokens enter the loss
+                              masks=[masks[i] for i in mb], prefix_kv=prompt_kv, **memory)  # only model tokens: loss
 
     # One process: the system prompt runs once a pass (shared_prompt_kv), and micro-batches are packed by the
     # tokens they forward themselves. (FSDP ranks forward whole rows: one pass whatever the data.)
@@ -181,15 +189,38 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
                 for row, i in enumerate(mb or []):
                     old[i] = logp[row, : lengths[i]].clone()
     model.train()
-    mismatch = engine_trainer_mismatch([t for t, _ in kept], old, masks)
+
+    # Off-policy correction for the sampler/trainer gap (not in the paper; grpo_roc.sampler_weights, docs/design.md):
+    # each model token's weight w_t from r_t = pi_old / pi_sampler, pi_sampler the engine's log-prob stored in the
+    # trajectory. Off, or a trajectory without engine log-probs (SFT data, a test batch): weight None, the paper's
+    # loss by the very code of today. Every rank decides the mode alike (sampler_correction_mode).
+    correction = sampler_correction_mode(cfg, next(model.parameters()).device.type)
+    weights, corrected = [None] * len(seqs), [None] * len(seqs)
+    for i, (t, _) in enumerate(kept):
+        engine = engine_logprobs_at(t, old[i], masks[i]) if correction != "off" and old[i] is not None else None
+        if engine is not None:
+            m_i = torch.tensor(masks[i], device=old[i].device)[None]
+            w, c = grpo_roc.sampler_weights(old[i][None], engine.to(old[i].device)[None], m_i, correction,
+                                            cfg.sampler_cap, cfg.sampler_mask_low, cfg.sampler_mask_high)
+            weights[i], corrected[i] = w[0], c[0]
+    mismatch = engine_trainer_mismatch([t for t, _ in kept], old, masks, weights, corrected)
+    # N of the token-level mean, per trajectory: its model tokens; with mask_token / mask_seq only those kept (a
+    # dropped token leaves the sum and N alike, as in verl and slime: grpo_roc.policy_loss). Each rank knows the
+    # weights of its own rows only, so the counts are summed over ranks (0 from the ranks that lack the row).
+    n_kept = [sum(m) for m in masks]
+    if correction in ("mask_token", "mask_seq"):
+        n_kept = [int(x) for x in all_ranks_sum([
+            float((weights[i] > 0).sum()) if weights[i] is not None else float(n_kept[i]) if old[i] is not None
+            else 0.0 for i in range(len(seqs))])]
 
     losses, clip_fracs, grad_norms, tokens, loss_tokens = [], [], [], 0, 0
+    rates = []  # the learning rate each optimizer step takes (the schedule moves on after it)
     ratio_min, ratio_max = float("inf"), float("-inf")
     for chunk, share in zip(chunks, shares):
         if not chunk:
             continue
         # the token-level mean runs over every model token of the mini-batch, across micro-batches and ranks
-        n_tokens = sum(sum(masks[i]) for i in chunk)
+        n_tokens = sum(n_kept[i] for i in chunk)
         optimizer.zero_grad(set_to_none=True)
         loss_total, clipped, counted = 0.0, 0.0, 0
         with autocast():
@@ -205,8 +236,14 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
                 old_lp[row, : lengths[i]] = old[i]
                 mask[row, : lengths[i]] = torch.tensor(masks[i], dtype=logp.dtype)
             adv = torch.tensor([advs[i] for i in mb], dtype=logp.dtype, device=logp.device)
+            w_mb = None   # the correction's weights (rows without engine log-probs: 1); None = the paper's loss
+            if correction != "off":
+                w_mb = torch.ones_like(logp)
+                for row, i in enumerate(mb):
+                    if weights[i] is not None:
+                        w_mb[row, : lengths[i]] = weights[i]
             loss, st = grpo_roc.policy_loss(logp, old_lp, adv, mask, cfg.clip_low, cfg.clip_high,
-                                            num_tokens=n_tokens, return_stats=True)
+                                            num_tokens=max(n_tokens, 1), return_stats=True, weights=w_mb)
             loss = loss_sign * loss
             backward(loss * world)  # FSDP averages the ranks' gradients; the loss is their sum
             loss_total += loss.item()
@@ -217,6 +254,7 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
             backward_through_prompt(leaves, graph)
         loss_total, clipped, counted = all_ranks_sum([loss_total, clipped, counted])
         grad_norm = clip_gradients(model, cfg.grad_clip)
+        rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler_lr.step()
         losses.append(loss_total)
@@ -229,28 +267,94 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
             "clip_frac": sum(clip_fracs) / len(clip_fracs) if clip_fracs else None,
             "grad_norm": max(grad_norms) if grad_norms else None,
             "ratio_min": ratio_min if losses else None, "ratio_max": ratio_max if losses else None,
-            "train_tokens": tokens, "loss_tokens": loss_tokens, "lr": scheduler_lr.get_last_lr()[0], **mismatch}
+            # lr: the rate of the update's first optimizer step (read after them, the schedule gave the next step's)
+            "train_tokens": tokens, "loss_tokens": loss_tokens, "lr": rates[0] if rates else None,
+            "sampler_correction": correction, **mismatch}
 
 
-def engine_trainer_mismatch(trajs, old, masks) -> dict:
-    """|log pi_engine - log pi_old| over the model tokens of the trajectories this rank recomputed (as verl and TRL
-    log it): the sampler's log-probs against the trainer's for the same tokens. The CPU engine runs the same
-    weights in the same precision, so the mean must be ~0 there; a jump means the two disagree about the policy
-    (a packing bug, a missed weight sync, a precision gap)."""
+def sampler_correction_mode(cfg: Config, device: str) -> str:
+    """cfg.sampler_correction, "auto" resolved: tis where the engine that samples differs from the trainer that
+    recomputes pi_old in precision or code, off where both run the same fp32 code. From the configuration and the
+    device alone (rank 0 holds the engines), so every rank decides alike:
+      GPU: vLLM engines (or a bf16 engine copy) against a trainer under bf16 autocast -> tis
+      CPU, engine=vllm: vLLM's own kernels, whatever the dtype -> tis
+      CPU, our engine: a bf16 copy (models.engine_dtype: precision bf16, or auto with bf16 units) against fp32
+      masters under bf16 autocast -> tis; an fp32 copy: the trainer runs fp32 too (cfg.precision decides both)
+      -> off, and the loss is the paper's exactly."""
     import torch
 
-    total, count, worst = 0.0, 0, 0.0
-    for t, o, m in zip(trajs, old, masks):
+    import grpo_roc
+    import model as models
+
+    mode = cfg.sampler_correction
+    if mode not in ("auto", *grpo_roc.SAMPLER_CORRECTIONS):
+        raise ValueError(f"sampler_correction={mode!r}: choose auto, {', '.join(grpo_roc.SAMPLER_CORRECTIONS)}")
+    if mode != "auto":
+        return mode
+    if device != "cpu" or cfg.engine == "vllm":
+        return "tis"
+    return "tis" if models.engine_dtype(bf16_option(cfg), device) == torch.bfloat16 else "off"
+
+
+def engine_logprobs_at(traj, old, mask):
+    """The engine's sampling log-probs of a trajectory's model tokens at their absolute positions (float64, zero
+    elsewhere, shaped like its pi_old `old`), or None when the engine did not give one for every model token (SFT
+    data, a test batch)."""
+    import torch
+
+    engine = [lp for s in traj.segments if s.loss_mask for lp in (s.logprobs or [])]
+    keep = torch.tensor(mask, dtype=torch.bool)
+    if not engine or len(engine) != int(keep.sum()):
+        return None
+    out = torch.zeros(old.shape, dtype=torch.float64)
+    out[keep] = torch.tensor(engine, dtype=torch.float64)
+    return out
+
+
+def engine_trainer_mismatch(trajs, old, masks, weights=None, corrected=None) -> dict:
+    """The gap between the sampler and the trainer over the model tokens of the trajectories this rank recomputed,
+    with r_t = pi_old(t) / pi_sampler(t), the trainer's recomputation against the engine's sampling log-prob:
+      logprob_diff_mean, logprob_diff_max: |log r_t| (as verl and TRL log it)
+      mismatch_k3: mean of r_t - 1 - log r_t (>= 0 per token). The tokens were drawn from pi_sampler, so this
+                   estimates KL(pi_sampler || pi_old): E_sampler[r] = 1 (r is a likelihood ratio under the
+                   sampler), so E_sampler[r - 1 - log r] = E_sampler[log pi_sampler - log pi_old]. The other
+                   direction would need samples of pi_old, which the batch does not hold.
+      mismatch_ess: (sum r)^2 / (N sum r^2), the normalized effective sample size of the plain ratios: 1 = on
+                   policy; what the batch is worth as samples of pi_old.
+      is_ess, is_corrected_frac (None with the correction off): the same ESS of the weights w_t the loss used
+                   (weights, from grpo_roc.sampler_weights), and the share of the tokens it truncated or masked
+                   (corrected), both over the tokens before masking (a masked token counts, with w = 0).
+    Our CPU engine in fp32 runs the trainer's weights and code, so the gap must be ~0 there; a jump means the two
+    disagree about the policy (a packing bug, a missed weight sync, a precision gap)."""
+    import torch
+
+    total, count, worst, k3, sum_r, sum_r2, sum_w, sum_w2, n_w, n_corr = 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0
+    for i, (t, o, m) in enumerate(zip(trajs, old, masks)):
         if o is None:   # another rank's trajectory
             continue
-        engine = [lp for s in t.segments if s.loss_mask for lp in (s.logprobs or [])]
-        trainer = o[torch.tensor(m, dtype=torch.bool, device=o.device)]
-        if len(engine) != len(trainer):   # a trajectory not sampled by an engine (SFT data, a test batch)
+        engine = engine_logprobs_at(t, o, m)
+        if engine is None:   # a trajectory not sampled by an engine (SFT data, a test batch)
             continue
-        if not engine:
-            continue
-        diff = (torch.tensor(engine, dtype=torch.float64) - trainer.double().cpu()).abs()
+        keep = torch.tensor(m, dtype=torch.bool)
+        log_r = o.detach().double().cpu()[keep] - engine[keep]   # log r_t = log pi_old - log pi_sampler
+        r = torch.exp(log_r)
+        diff = log_r.abs()
         total, count, worst = total + float(diff.sum()), count + len(diff), max(worst, float(diff.max()))
-    total, count = all_ranks_sum([total, count])
+        k3 += float((r - 1.0 - log_r).sum())                      # k3_t = r_t - 1 - log r_t
+        sum_r, sum_r2 = sum_r + float(r.sum()), sum_r2 + float((r * r).sum())
+        if weights is not None and weights[i] is not None:
+            w = weights[i].detach().double().cpu()[keep]
+            sum_w, sum_w2, n_w = sum_w + float(w.sum()), sum_w2 + float((w * w).sum()), n_w + len(w)
+            n_corr += int(corrected[i].cpu()[keep].sum())
+    total, count, k3, sum_r, sum_r2, sum_w, sum_w2, n_w, n_corr = all_ranks_sum(
+        [total, count, k3, sum_r, sum_r2, sum_w, sum_w2, n_w, n_corr])
     worst = all_ranks_max([worst])[0]
-    return {"logprob_diff_mean": total / count if count else None, "logprob_diff_max": worst if count else None}
+
+    def ess(s, s2, n):   # (sum w)^2 / (N sum w^2), in (0, 1]; 0 when every weight is 0
+        return s * s / (n * s2) if s2 > 0 else 0.0
+
+    return {"logprob_diff_mean": total / count if count else None, "logprob_diff_max": worst if count else None,
+            "mismatch_k3": k3 / count if count else None,
+            "mismatch_ess": ess(sum_r, sum_r2, count) if count else None,
+            "is_ess": ess(sum_w, sum_w2, n_w) if n_w else None,
+            "is_corrected_frac": n_corr / n_w if n_w else None}

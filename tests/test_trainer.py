@@ -4,6 +4,7 @@ command line's errors for people."""
 import copy
 import dataclasses
 import json
+import math
 import random
 import shutil
 import subprocess
@@ -206,6 +207,64 @@ def test_engine_trainer_mismatch_over_model_tokens():
     assert R.engine_trainer_mismatch([t], [None], [t.loss_mask])["logprob_diff_mean"] is None  # another rank's
 
 
+def with_engine_logprobs(kept, old, shift):
+    """Copies of the kept trajectories whose model tokens carry engine log-probs: pi_old + shift(), per token."""
+    out = []
+    for (t, a), o in zip(kept, old):
+        t = copy.deepcopy(t)
+        pos = len(t.prompt_ids)
+        for s in t.segments:
+            if s.loss_mask:
+                s.logprobs = [float(o[pos + k]) + shift() for k in range(len(s.ids))]
+            pos += len(s.ids)
+        out.append((t, a))
+    return out
+
+
+def test_sampler_correction_reaches_the_loss_and_is_exact_where_engine_and_trainer_agree(tokenizer, monkeypatch):
+    """policy_update with the engine's log-probs on the trajectories: equal to the trainer's pi_old, tis (and the
+    masks) leave the loss and every gradient bitwise those of correction off; perturbed, tis changes the loss to
+    the hand value -(1/N) sum_t min(pi_old / pi_sampler, C) A_i (lr = 0: rho = 1), and the metrics say so."""
+    import rl_update
+
+    seen = {}
+    real = rl_update.engine_trainer_mismatch
+    monkeypatch.setattr(rl_update, "engine_trainer_mismatch",
+                        lambda trajs, old, *a, **kw: seen.update(old=old) or real(trajs, old, *a, **kw))
+    rng = random.Random(6)
+    trajs = random_trajectories(tokenizer, rng, 5, one_problem=True)
+    kept = [(t, a) for t, a in zip(trajs, [1.0, -0.5, 0.75, -1.25, 0.3])]
+    run = dict(minibatches=1, micro_batch_tokens=700)
+    off, m_off = lr0_update(tokenizer, kept, sampler_correction="off", **run)
+    grads_off = [p.grad.clone() for p in m_off.parameters()]
+    old = seen["old"]
+
+    same = with_engine_logprobs(kept, old, lambda: 0.0)
+    for mode in ("tis", "mask_token", "mask_seq"):
+        out, m = lr0_update(tokenizer, same, sampler_correction=mode, **run)
+        assert out["loss"] == off["loss"] and out["loss_tokens"] == off["loss_tokens"], mode
+        assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), grads_off)), mode
+        assert out["sampler_correction"] == mode and out["mismatch_k3"] == 0.0
+        assert out["is_ess"] == 1.0 and out["is_corrected_frac"] == 0.0
+
+    noise = random.Random(7)
+    shifted = with_engine_logprobs(kept, old, lambda: noise.uniform(-1.0, 1.0))
+    out, _ = lr0_update(tokenizer, shifted, sampler_correction="tis", **run)
+    weights, n = 0.0, 0
+    for (t, a), o in zip(shifted, old):   # the paper's loss at rho = 1, each token weighted by min(r, 2)
+        engine = [lp for s in t.segments if s.loss_mask for lp in s.logprobs]
+        trainer = o[torch.tensor(t.loss_mask, dtype=torch.bool)].tolist()
+        weights += sum(-a * min(math.exp(x - y), 2.0) for x, y in zip(trainer, engine))
+        n += len(engine)
+    assert out["loss"] != off["loss"] and out["loss"] == pytest.approx(weights / n, rel=1e-5)
+    assert 0 < out["is_corrected_frac"] < 1 and 0 < out["is_ess"] < 1 and out["mismatch_k3"] > 0
+    off_shifted, _ = lr0_update(tokenizer, shifted, sampler_correction="off", **run)
+    assert off_shifted["loss"] == off["loss"] and off_shifted["mismatch_k3"] == out["mismatch_k3"]
+    assert off_shifted["is_ess"] is None and off_shifted["sampler_correction"] == "off"
+    masked, _ = lr0_update(tokenizer, shifted, sampler_correction="mask_token", **run)
+    assert masked["loss_tokens"] < off["loss_tokens"] and masked["is_corrected_frac"] > 0
+
+
 def test_pack_micro_batches_respects_token_budget():
     lengths = [100, 50, 400, 90, 300, 10]
     batches = distributed.pack_micro_batches(lengths, 400)
@@ -260,7 +319,7 @@ def scan_world(monkeypatch):
     trained = []
 
     def fake_groups(rt, cfg, problems, n, seed, **kw):
-        step = seed - cfg.seed * 7919
+        step = {R.rollout_seed("scan", cfg.seed, s): s for s in range(cfg.steps)}.get(seed)  # scans only: a step
         groups = []
         for p in problems:
             if n == cfg.scan_samples:
@@ -465,7 +524,13 @@ def coin(response, gold):
 
 def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_model_dir):
     # uninterrupted: 2 steps
-    cfg = tiny_config(tmp_path / "a", steps=2, max_response_tokens=192, temperature=1.3)
+    # every kept trajectory goes to samples/: at temperature 1.3 a third of this model's rollouts call the tool,
+    # so one sample (the first kept) need not hold a tool response. Dynamic sampling (up to 3 draw rounds) so that
+    # each step has a group with mixed rewards after RoC whatever the sampling stream (one draw of 2 groups had
+    # none: 7 of 8 coin rewards 1, RoC kept the right ones)
+    steps_cfg = dict(max_response_tokens=192, temperature=1.3, samples_per_step=8, drop_all_equal=True,
+                     max_draw_rounds=3)
+    cfg = tiny_config(tmp_path / "a", steps=2, **steps_cfg)
     d_a = tmp_path / "a" / "stage1"
     d_a.mkdir(parents=True)
     last = run_steps(cfg, tool_model_dir, d_a, reward_fn=coin)
@@ -473,8 +538,8 @@ def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_mode
     assert [r["step"] for r in rows_a] == [1, 2]
     # rollouts really called the sandbox, and the tool's output came back
     assert rows_a[0]["tool_calls_per_traj"] > 0
-    sample = (d_a / "samples" / "step_0001.md").read_text()
-    assert "<tool_response>" in sample
+    samples = [(d_a / "samples" / f"step_000{k}.md").read_text() for k in (1, 2)]
+    assert any("<tool_response>" in sample for sample in samples)
     assert all(r["loss"] is not None and r["grad_norm"] > 0 for r in rows_a)  # both steps updated
     # the engine sampled with the trainer's weights in the same precision: their log-probs agree (fp32 rounding)
     assert all(r["logprob_diff_mean"] < 1e-4 and r["logprob_diff_max"] < 1e-3 for r in rows_a), rows_a
@@ -483,7 +548,7 @@ def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_mode
     assert last["step"] == 2
 
     # interrupted after step 1, then resumed from its checkpoint: step 2 logs the same numbers
-    cfg_b = tiny_config(tmp_path / "b", steps=1, max_response_tokens=192, temperature=1.3)
+    cfg_b = tiny_config(tmp_path / "b", steps=1, **steps_cfg)
     d_b = tmp_path / "b" / "stage1"
     d_b.mkdir(parents=True)
     run_steps(cfg_b, tool_model_dir, d_b, reward_fn=coin)
@@ -755,3 +820,104 @@ def test_cli_with_sandbox_isolation_none_warns_and_records_the_mode(tmp_path, ti
     assert rows and all(row["sandbox_isolation"] == "none" for row in rows)
     assert R.parse_args(["--set", "sandbox_isolation=none"]).sandbox_isolation == "none"
     assert R.parse_args([]).sandbox_isolation == "auto"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Review fixes (issue 35): the CPU engine's KV cap, one sampling stream per use of rollouts, the logged lr
+
+
+class NoSandbox:
+    """Stands in for sandbox.SandboxPool where a test builds a runtime and runs no tool."""
+    mode, isolation = "test", {"missing": []}
+
+    def __init__(self, **kw):
+        pass
+
+    async def start(self):
+        pass
+
+    async def close(self):
+        pass
+
+
+@pytest.mark.parametrize("stage", ["1", "2", "3"])
+def test_the_cpu_engine_admits_engine_batch_rollouts_at_their_whole_budget(stage, tokenizer, tiny_model_dir,
+                                                                           monkeypatch):
+    """The CPU engine admits a request while its need (context + every token it may still write, at most the
+    prompt + max_response_tokens) fits in the free KV tokens of its cap. With the cpu preset's stage config, the
+    engine build_runtime makes must hold engine_batch requests of the longest real prompt at their whole budget
+    (the default cap of 65,536 tokens held ~51 of 64 in stages 2-3: 768-token budget). Longest prompt: the
+    rendered train and held-out questions of the stage's generator levels, every family."""
+    import sandbox
+    import tasks
+
+    monkeypatch.setattr(sandbox, "SandboxPool", NoSandbox)
+    cfg = R.apply_stage(R.parse_args(["--stage", stage, "--set", "engine=transformers"]), stage)
+    questions = [tasks.problem_at(i, seed=s, levels=cfg.levels).question for s in (0, 1) for i in range(500)]
+    questions += [p.question for p in tasks.heldout_problems(cfg.eval_problems, levels=cfg.levels)]
+    longest = max(len(scheduler.render_prompt(tokenizer, q)) for q in questions)
+    rt = R.build_runtime(cfg, tiny_model_dir)
+    try:
+        engine = rt.engines[0]
+        assert engine.max_batch == cfg.engine_batch == 64
+        need = longest + cfg.max_response_tokens                                  # GenRequest.need at its largest
+        assert cfg.engine_batch * need <= engine.free_tokens(), (engine.free_tokens() // need, cfg.engine_batch)
+    finally:
+        R.close_runtime(rt)
+
+
+def test_each_use_of_rollouts_samples_its_own_stream(monkeypatch):
+    """Every request's generator is seeded from (the seed its use hands run_rollouts, problem index, sample index,
+    turn), so two uses that hand over one seed draw the same uniforms for their k-th problems (at seed 0 the
+    step-0 difficulty scan and the step-0 training rollouts both had seed 0). The seeds that the call sites hand
+    over - training (every step and draw round), scans (every step), stage 3's hard scan, for run seeds 0-3,
+    steps 0-39, rounds 0-2; and the held-out evaluation - must all differ."""
+    import tasks
+
+    class Recorded(Exception):
+        pass
+
+    seen = {}   # seed -> the calls that used it
+
+    def fake_groups(rt, cfg, problems, n, seed, **kw):
+        seen.setdefault(seed, []).append(call)
+        if call[0] != "train":
+            raise Recorded
+        return [[scheduler.Trajectory(p.id, [1], [scheduler.Segment([2], 1)], reward=0.0) for _ in range(n)]
+                for p in problems]   # all equal: dropped, so every draw round runs
+
+    monkeypatch.setattr(R, "generate_groups", fake_groups)
+    problem = tasks.problem_at(0, seed=0, levels=(1,))
+    for seed in range(4):
+        cfg = R.Config(seed=seed, max_draw_rounds=3, draw_problems=1, groups_per_step=1, scan_problems=1,
+                       families=("product",), levels=(1,), hard_scan=1)
+        for step in range(40):
+            call = ("train", seed, step)
+            R.select_step_batch(None, cfg, lambda i: problem, 0, step, random.Random(0))
+            call = ("scan", seed, step)
+            with pytest.raises(Recorded):
+                R.difficulty_scan(None, cfg, step)
+        call = ("hard", seed)
+        with pytest.raises(Recorded):
+            R.hard_subset(None, cfg, lambda i: problem)
+    call = ("heldout",)
+    with pytest.raises(Recorded):
+        R.heldout_accuracy(None, R.Config(), [problem])
+    assert sum(len(c) for c in seen.values()) == 4 * 40 * (3 + 1) + 4 + 1
+    shared = {seed: calls for seed, calls in seen.items() if len(calls) > 1}
+    assert not shared, list(shared.items())[:3]
+
+
+def test_the_logged_lr_is_the_rate_the_steps_optimizer_steps_used(tokenizer):
+    """Warm-up lr_t = lr * min(1, (t + 1) / warmup) for optimizer step t. metrics.jsonl's lr is the rate of the
+    step's first optimizer step: with warmup 4, lr/4 for step 0 (it was lr * 2/4, the next step's rate); with two
+    mini-batches, RL step s starts at optimizer step 2s."""
+    rng = random.Random(4)
+    kept = [(t, a) for t, a in zip(random_trajectories(tokenizer, rng, 4), [1.0, -1.0, 0.5, -0.5])]
+    for minibatches, expected in ((1, [1 / 4, 2 / 4, 3 / 4, 1, 1]), (2, [1 / 4, 3 / 4, 1, 1])):
+        m = models.tiny_model(tokenizer, seed=5)
+        cfg = R.Config(lr=1e-3, warmup_steps=4, minibatches=minibatches, precision=PRECISION)
+        optimizer, schedule = R.make_optimizer(m, cfg)
+        rt = R.Runtime(m, tokenizer, engines=[], pool=None, loop=None)
+        logged = [R.policy_update(rt, cfg, optimizer, schedule, kept, random.Random(1))["lr"] for _ in expected]
+        assert logged == pytest.approx([cfg.lr * f for f in expected], rel=1e-12), (minibatches, logged)

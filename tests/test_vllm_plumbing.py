@@ -57,20 +57,44 @@ def test_weight_file_falls_back_to_disk_when_shm_is_small(monkeypatch):
     assert S.weight_file_dir(10 << 20) == "/dev/shm"
 
 
+class FakeWorker(S.VLLMWeightLoader):
+    """The real worker extension on a recording model: vLLM's three reload phases are recorded, not run."""
+
+    def __init__(self, take=None):
+        self.loaded, self.phases, self.take = [], [], take  # take: read only so many tensors of a bucket
+
+    def _rstar2_reload(self, phase, weights=None):
+        self.phases.append(phase)
+        if phase == "load":
+            for i, (name, t) in enumerate(weights):  # consumes the generator
+                self.loaded.append((name, t.dtype, t.clone()))
+                if i + 1 == self.take:
+                    break
+
+
+class FakeCore:
+    """vLLM's engine-core client: call_utility_all_async("collective_rpc", ...) asks every engine."""
+
+    def __init__(self, engines):
+        self.engines = engines  # one list of workers per engine
+
+    async def call_utility_all_async(self, utility, method, timeout, args, kwargs):
+        assert utility == "collective_rpc"
+        return [[getattr(w, method)(*args) for w in workers] for workers in self.engines]
+
+
 class FakeLLM:
-    """Stands in for vLLM's AsyncLLM: collective_rpc runs the real worker extension on a recording model."""
+    """Stands in for vLLM's AsyncLLM: its engines run the real worker extension on recording workers."""
 
-    def __init__(self, reset=True, unfinished=0):
-        self.loaded, self.reset, self.unfinished, self.shutdowns = [], reset, unfinished, 0
-        self.worker = S.VLLMWeightLoader()
-        self.worker.reload_weights = self._reload  # vLLM's Worker.reload_weights
+    def __init__(self, reset=True, unfinished=0, engines=1):
+        self.reset, self.unfinished, self.shutdowns = reset, unfinished, 0
+        self.workers = [FakeWorker() for _ in range(engines)]
+        self.engine_core = FakeCore([[w] for w in self.workers])
+        self.worker = self.workers[0]
 
-    def _reload(self, weights_iterator, is_checkpoint_format):
-        assert is_checkpoint_format  # our tensors are in the checkpoint's format (names and shapes)
-        self.loaded = [(name, t.dtype, t.clone()) for name, t in weights_iterator]  # consumes the generator
-
-    async def collective_rpc(self, method, args=()):
-        return [getattr(self.worker, method)(*args)]
+    @property
+    def loaded(self):
+        return self.worker.loaded
 
     async def reset_prefix_cache(self):
         return self.reset
@@ -83,22 +107,38 @@ class FakeLLM:
 
 
 def handles(llm, tie=True, n=2):
-    backend = {"llm": llm, "loop": asyncio.new_event_loop(), "dtype": torch.bfloat16, "capacity_per_engine": 100,
+    backend = {"llm": llm, "loop": asyncio.new_event_loop(), "dtype": torch.bfloat16, "capacity_per_engine": [100, 90],
                "eos_ids": {2}, "tie": tie, "launch": "x", "counter": [0]}
     return [S.VLLMEngine(backend, r) for r in range(n)]
 
 
-def test_weight_sync_sends_each_tensor_once_in_the_engine_dtype_and_removes_the_file(monkeypatch, tmp_path):
+def test_weight_sync_sends_each_tensor_once_in_the_engine_dtype_and_removes_the_files(monkeypatch, tmp_path):
     monkeypatch.setattr(vllm_engine, "weight_file_dir", lambda nbytes: str(tmp_path))
-    llm = FakeLLM()
+    monkeypatch.setattr(vllm_engine, "SYNC_BUCKET_BYTES", 40)  # bf16 5 x 3 = 30 bytes: 2 buckets of 60 and 36
+    llm = FakeLLM(engines=2)
     engines = handles(llm)
+    assert [e.capacity_tokens for e in engines] == [100, 90]  # each engine its own KV capacity
     state = {"model.embed_tokens.weight": torch.randn(5, 3), "lm_head.weight": torch.randn(5, 3),
+             "model.layers.0.w": torch.randn(5, 3), "model.layers.1.w": torch.randn(5, 3),
              "model.norm.weight": torch.ones(3)}
     S.sync_weights(engines, {f"module.{k}": v for k, v in state.items()})  # a DDP-style prefix is dropped
-    names = [name for name, _, _ in llm.loaded]
-    assert sorted(names) == ["model.embed_tokens.weight", "model.norm.weight"]  # tied: lm_head is the embedding
-    for name, dtype, t in llm.loaded:
-        assert dtype == torch.bfloat16 and torch.equal(t, state[name].to(torch.bfloat16))
+    for worker in llm.workers:  # every engine got every tensor, in buckets, between one begin and one end
+        names = [name for name, _, _ in worker.loaded]
+        assert sorted(names) == sorted(k for k in state if k != "lm_head.weight")  # tied: the head is the embedding
+        assert worker.phases == ["begin", "load", "load", "end"]
+        for name, dtype, t in worker.loaded:
+            assert dtype == torch.bfloat16 and torch.equal(t, state[name].to(torch.bfloat16))
+    assert list(tmp_path.iterdir()) == []
+    assert vllm_engine.sync_report(engines)["weight_sync"]["loaded_per_engine"] == [4, 4]
+
+
+def test_weight_sync_checks_every_engine_loaded_every_tensor(monkeypatch, tmp_path):
+    # vLLM's collective_rpc would return engine 0's replies only: an engine that missed tensors must be seen
+    monkeypatch.setattr(vllm_engine, "weight_file_dir", lambda nbytes: str(tmp_path))
+    llm = FakeLLM(engines=2)
+    llm.workers[1].take = 1
+    with pytest.raises(RuntimeError, match="loaded"):
+        S.sync_weights(handles(llm), {"a": torch.ones(2), "b": torch.ones(2)})
     assert list(tmp_path.iterdir()) == []
 
 
@@ -109,6 +149,22 @@ def test_weight_sync_checks_the_prefix_cache_reset_and_idle_engines(monkeypatch,
     with pytest.raises(RuntimeError, match="still running"):
         S.sync_weights(handles(FakeLLM(unfinished=1)), {"w": torch.ones(2)})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_checksums_compared_in_vllms_layout():
+    # vLLM fuses q, k, v into qkv_proj (rows concatenated); its CPU kernels empty the linear weights (size 0)
+    q, k, v, n = torch.randn(4, 2), torch.randn(2, 2), torch.randn(2, 2), torch.ones(2)
+    state = {"l.self_attn.q_proj.weight": q, "l.self_attn.k_proj.weight": k, "l.self_attn.v_proj.weight": v,
+             "l.norm.weight": n}
+    sha = vllm_engine.tensor_sha256
+    sums = [{"dp0:pp0:pcp0:tp0:l.self_attn.qkv_proj.weight": sha(torch.cat([q, k, v])),
+             "dp0:pp0:pcp0:tp0:l.norm.weight": sha(n), "dp0:pp0:pcp0:tp0:l.o_proj.weight": sha(torch.empty(0))}]
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    out = vllm_engine.compare_checksums(sums, state, torch.float32, packed, tie=False)
+    assert out["vllm_checksums"] == {"compared": 2, "equal": 2, "repacked": 1, "unknown": 0}
+    assert out["vllm_checksums_equal"] and out["engine_weights_sha256"] == out["trainer_weights_sha256"]
+    sums[0]["dp0:pp0:pcp0:tp0:l.norm.weight"] = sha(n + 1)
+    assert not vllm_engine.compare_checksums(sums, state, torch.float32, packed, tie=False)["vllm_checksums_equal"]
 
 
 def test_stage_end_shuts_the_engines_down(monkeypatch):

@@ -1,0 +1,296 @@
+"""memory_plan.py - what each GPU holds while the recipe trains, from the model's config.json alone, before a run
+starts (DESIGN.md "Memory at paper scale"; the paper trains Qwen3-14B on 64 MI300X GPUs, section 4; this project's
+paper scale is one 8-GPU node, distributed.py).
+
+    config.json -> ModelDims -> per GPU, in bytes:
+      trainer   sharded fp32 state: weights, gradients, AdamW m and v = 16 x P / ranks (FSDP2, distributed.py)
+                + CUDA context and NCCL buffers
+                + activations kept for backward (bytes per token x tokens of the largest micro-batch)
+                + the larger of the backward's two peaks: the output head (the log-prob chunk's logits, the head's
+                  unit: gathered bf16 weights, gradient, fp32 reduce-scatter input), or a decoder layer run again
+                  (its activations, its unit)
+      vLLM      bf16 weights (each GPU's engine holds the whole model) + its runtime + KV cache
+                (2 x layers x kv_heads x head_dim x 2 bytes a token)
+      margin    what is left once the trainer, a reserve for fragmentation and vLLM's minimum (KV for one
+                full-length rollout, as vLLM demands at start-up) are counted; vLLM's KV takes it too
+                (gpu_memory_utilization = (GPU - trainer - reserve) / GPU, rounded down)
+    -> fits or not, the largest micro_batch_tokens that fits, vLLM's gpu_memory_utilization
+       (vllm_engine.vllm_placement), and the one line a run that does not fit stops with (rstar2_mini.main)
+
+    python rstar2_mini.py --preset paper --stage all --model bench/model_configs/qwen3-14b --plan --gpus 8 \
+        --gpu-memory-gb 79.2        # (on the GPU node itself: --plan alone; a run checks the same plan first)
+
+Per-token activation bytes are counted tensor by tensor for Qwen2/Qwen3 decoder layers (layer_bytes_per_token) and
+were measured with the real code on small models of the same shape (bench/measure_memory.py; the test holds the
+formulas to the measurements: tests/test_memory_plan.py; figures in docs/memory.md). The vLLM runtime, CUDA
+context and fragmentation reserve are assumptions, not measurements: no GPU was available.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from config import Config, UsageError, apply_stage
+
+GiB = 2 ** 30
+PROMPT_TOKENS = 2048          # a row is at most prompt + max_response_tokens (vLLM's max_model_len: rstar2_mini)
+TRAINER_RUNTIME = 1.5 * GiB   # CUDA context (~0.5 GiB) and NCCL buffers of a training process (assumed)
+VLLM_RUNTIME = 4 * GiB        # vLLM's CUDA context, CUDA graphs, profile-run activations, sampler (assumed)
+LOGITS_BYTES_PER_TOKEN_VOCAB = 10   # a chunk's backward: fp32 logits / T (4) + softmax (4) + bf16 logits (2)
+
+
+def reserve_bytes(gpu_bytes: float) -> float:
+    """Left unallocated for the caching allocator's fragmentation: 5% of the GPU, at least 2 GiB (assumed)."""
+    return max(2 * GiB, 0.05 * gpu_bytes)
+
+
+@dataclass
+class ModelDims:
+    """The shape of a Qwen2/Qwen3/Llama-style decoder, as config.json gives it."""
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qk_norm: bool            # Qwen3 normalises q and k per head (RMSNorm): more activations, 2 x head_dim weights
+    qkv_bias: bool           # Qwen2 has biases on q, k, v
+    name: str = ""
+
+    @classmethod
+    def from_hf_config(cls, c, name: str = "") -> "ModelDims":
+        get = (lambda k, d=None: c.get(k, d)) if isinstance(c, dict) else (lambda k, d=None: getattr(c, k, d))
+        kind = get("model_type", "")
+        head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
+        return cls(hidden=get("hidden_size"), intermediate=get("intermediate_size"), layers=get("num_hidden_layers"),
+                   heads=get("num_attention_heads"), kv_heads=get("num_key_value_heads") or get("num_attention_heads"),
+                   head_dim=head_dim, vocab=get("vocab_size"), tied=bool(get("tie_word_embeddings", False)),
+                   qk_norm=kind == "qwen3", qkv_bias=bool(get("attention_bias", kind == "qwen2")), name=name or kind)
+
+    @classmethod
+    def from_config_json(cls, path) -> "ModelDims":
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.exists():
+            raise UsageError(f"{path}: no config.json for the memory plan (a Hugging Face model directory)")
+        return cls.from_hf_config(json.loads(file.read_text()), name=file.parent.name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parameters
+
+
+def layer_params(d: ModelDims) -> int:
+    """One decoder layer: q, k, v, o projections, the MLP's gate, up and down, two RMSNorms (+ Qwen3's q/k norms)."""
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    attn = d.hidden * q + 2 * d.hidden * kv + q * d.hidden + ((q + 2 * kv) if d.qkv_bias else 0)
+    return attn + 3 * d.hidden * d.intermediate + 2 * d.hidden + (2 * d.head_dim if d.qk_norm else 0)
+
+
+def total_params(d: ModelDims) -> int:
+    """P: embeddings, the output head unless tied, the layers, the final norm. Qwen3-14B: 14.77e9."""
+    vocab = d.vocab * d.hidden
+    return vocab * (1 if d.tied else 2) + d.layers * layer_params(d) + d.hidden
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Activations, bytes per token (bf16 compute as under FSDP2's mixed precision; "autocast": fp32 weights under bf16
+# autocast, the single-process GPU path with accelerate). Counted from what each op saves for backward in
+# transformers' Qwen3 layer, and measured (bench/measure_memory.py).
+
+
+def layer_bytes_per_token(d: ModelDims, precision: str = "bf16", kv_repeated: bool = True) -> int:
+    """What one decoder layer saves for backward, per token (no checkpointing):
+
+      RMSNorm x 2        fp32 copy of the input 4h, rsqrt 4, bf16 normalised 2h, its output 2h (proj. input)  16h + 8
+                         (autocast: fp32 input 4h, fp32 output 4h, a bf16 cast per projection: 3 x 2h / 2 x 2h) 26h + 8
+      q/k norms (Qwen3)  fp32 copies and bf16 outputs of q and k, rsqrt per head                6q + 6kv + 4(n_h + n_kv)
+      attention          rotated q 2q, k 2kv, v 2kv, output 2q, logsumexp 4 n_h                 4q + 4kv + 4 n_h
+                         (on GPUs, transformers repeats k and v to every head when a mask is present: +4(q - kv))
+      MLP                gate 2i, up 2i, silu(gate) 2i, silu(gate) * up 2i                                   8i
+    with q = heads x head_dim, kv = kv_heads x head_dim, i = intermediate. Qwen3-14B, bf16: 299 KB a token."""
+    h, i, q, kv = d.hidden, d.intermediate, d.heads * d.head_dim, d.kv_heads * d.head_dim
+    norms = (26 if precision == "autocast" else 16) * h + 8
+    qk = (6 * q + 6 * kv + 4 * (d.heads + d.kv_heads)) if d.qk_norm else 0
+    attn = 4 * q + 4 * kv + 4 * d.heads + (4 * (q - kv) if kv_repeated else 0)
+    return norms + qk + attn + 8 * i
+
+
+def activation_bytes_per_token(d: ModelDims, checkpointing: bool, precision: str = "bf16", kv_repeated: bool = True,
+                               kv_cache: bool = False) -> dict:
+    """Per token of a micro-batch: `kept` from the forward until backward, and `backward`, what the backward of one
+    layer adds on top (with checkpointing: that layer's forward run again, and the gradients in flight, ~6h).
+
+      kept = outside the layers (final norm 6h, the head's input 2h, RoPE's cos/sin 4 head_dim, ids 16)
+             + layers x (checkpointing: the layer's input, 2h bf16 / 4h fp32; else layer_bytes_per_token)
+    kv_cache: the shared-prompt path (one process) keeps every layer's K and V in the cache: + 4kv (8kv fp32)."""
+    h, width = d.hidden, (4 if precision == "autocast" else 2)
+    outside = (6 + width) * h + 4 * d.head_dim * (2 if precision == "autocast" else 1) + 16
+    layer = layer_bytes_per_token(d, precision, kv_repeated)
+    per_layer = width * h + 8 if checkpointing else layer
+    if kv_cache:
+        per_layer += 2 * width * d.kv_heads * d.head_dim
+    return {"kept": outside + d.layers * per_layer, "backward": (layer if checkpointing else 0) + 3 * width * h,
+            "layer": layer}
+
+
+def logits_bytes(d: ModelDims, chunk_tokens: int, tokens: int) -> int:
+    """The log-prob chunk's peak (models.chunked_logprobs, measured): ~10 bytes x V per token of one chunk, plus the
+    gradient of the head's input (2h a kept token). Unchunked (chunk <= 0) every token's logits at once, ~12 x V."""
+    if chunk_tokens <= 0:
+        return 12 * d.vocab * tokens + 2 * d.hidden * tokens
+    return LOGITS_BYTES_PER_TOKEN_VOCAB * d.vocab * min(chunk_tokens, tokens) + 2 * d.hidden * tokens
+
+
+def kv_bytes_per_token(d: ModelDims) -> int:
+    """vLLM's KV cache in bf16: K and V, every layer: 2 x layers x kv_heads x head_dim x 2. Qwen3-14B: 160 KiB."""
+    return 2 * d.layers * d.kv_heads * d.head_dim * 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class Plan:
+    model: str
+    params: int                # P
+    gpus: int
+    ranks: int                 # training processes (torchrun); 1 = one process
+    gpu_bytes: float
+    row_tokens: int            # the longest row: prompt + max_response_tokens of the run's longest stage
+    micro_tokens: int          # tokens of the micro-batch that needs most: a row alone, or micro_batch_tokens
+    trainer: dict              # item -> bytes on the trainer's busiest GPU
+    vllm: dict                 # item -> bytes of the engine beside it (empty: no engine on that GPU)
+    margin: float              # vLLM's share (GPU - trainer - reserve, as a rounded-down fraction) less its minimum
+                               # (bf16 weights, runtime, KV for one full-length rollout); without vLLM:
+                               # GPU - trainer - reserve
+    gpu_memory_utilization: float
+    kv_tokens: int             # KV capacity of one engine at that utilization
+    engine_gpus: list
+    max_micro_batch_tokens: int   # the largest multiple of 1024 that still fits (0: none)
+
+    @property
+    def fits(self) -> bool:
+        return self.margin >= 0
+
+
+def trainer_bytes(d: ModelDims, cfg: Config, ranks: int, tokens: int, kv_repeated: bool = True) -> dict:
+    """The trainer's peak on its busiest GPU, by item. ranks > 1: FSDP2, with the embeddings, the head and each layer
+    their own units (distributed.shard_policy), bf16 compute; ranks == 1: the whole fp32 model on one GPU under bf16
+    autocast (accelerate), the system prompt's KV shared through the cache (rl_update.shared_prompt_kv)."""
+    P, Pl, Pv = total_params(d), layer_params(d), d.vocab * d.hidden
+    fsdp = ranks > 1
+    act = activation_bytes_per_token(d, cfg.activation_checkpointing, "bf16" if fsdp else "autocast",
+                                     kv_repeated=kv_repeated, kv_cache=not fsdp)
+    kept = act["kept"] * tokens
+    logits = logits_bytes(d, cfg.logprob_chunk_tokens, tokens)
+    dh = 2 * d.hidden * tokens   # the gradient of the head's input, alive from the head's backward on
+    if fsdp:
+        # FSDP2 (torch 2.13: _fsdp_param_group.post_backward, _fsdp_collectives.foreach_reduce): a unit's backward
+        # holds its gathered bf16 weights (2 bytes x its parameters) and their bf16 gradient (2); then it frees the
+        # weights and copies the gradient into the fp32 reduce-scatter input (4): 6. The next unit is gathered ahead
+        # (2 Pl). Head phase: the log-prob chunks beside the head's weights and gradient, then its reduce-scatter.
+        # Layer phase: the layer run again beside its weights and gradient, then its reduce-scatter.
+        head = max(logits + 4 * Pv, dh + 6 * Pv) + 2 * Pl
+        layer = max(act["backward"] * tokens + 4 * Pl, 6 * Pl) + 2 * Pl
+    else:
+        # one process: autocast's bf16 copies of the weights (all kept for backward without checkpointing; with it,
+        # the recomputed layer's and the head's), and the head's backward: fp32 gradient buffer + bf16 copy (6 Pv)
+        casts = 2 * P if not cfg.activation_checkpointing else 2 * (Pl + Pv)
+        head = logits + 6 * Pv + casts
+        layer = act["backward"] * tokens + casts
+    return {"fp32 weights, grads, AdamW m and v: 16 P / ranks": 16 * P / ranks,
+            "CUDA context, NCCL (assumed)": TRAINER_RUNTIME,
+            f"activations kept for backward ({act['kept'] / 1024:.0f} KiB/token)": kept,
+            ("backward peak beyond them: output head (log-prob chunks, its unit)" if head >= layer else
+             "backward peak beyond them: a decoder layer run again, its unit"): max(head, layer)}
+
+
+def plan(d: ModelDims, cfg: Config, gpus: int, gpu_gb: float, ranks: int) -> Plan:
+    """The plan for the run's longest RL stage on `gpus` GPUs of `gpu_gb` GiB each (as torch reports them) with
+    `ranks` training processes (torchrun --nproc-per-node ranks; 1: one process)."""
+    gpu, P = gpu_gb * GiB, total_params(d)
+    row = max(apply_stage(cfg, s).max_response_tokens for s in run_stages(cfg)) + PROMPT_TOKENS
+    shared = ranks > 1 or gpus == 1      # an engine beside the trainer on every GPU (else: GPU 0 is the trainer's)
+    with_vllm = cfg.engine != "transformers"
+    engine_min = 2 * P + VLLM_RUNTIME + kv_bytes_per_token(d) * row if with_vllm else 0
+
+    def at(micro: int):
+        """(tokens, trainer items, vLLM items, margin, gpu_memory_utilization) for a micro_batch_tokens."""
+        # the largest micro-batches: one row alone (up to `row` tokens, no padding: no attention mask, so k and v
+        # reach the attention unrepeated), or several shorter rows padded to the longest (up to `micro` tokens,
+        # a mask: transformers repeats k and v for every head on GPUs)
+        tokens, trainer = max(((n, trainer_bytes(d, cfg, ranks, n, kv_repeated=rep)) for n, rep in
+                               ((row, False), (micro, True))), key=lambda c: sum(c[1].values()))
+        left = gpu - sum(trainer.values()) - reserve_bytes(gpu)        # on the trainer's GPU
+        if not with_vllm:
+            return tokens, trainer, {}, left, 0.0
+        room = left if shared else gpu - reserve_bytes(gpu)            # what vLLM may take on its GPUs
+        util = math.floor(100 * room / gpu) / 100                      # (vLLM takes a fraction: rounded down)
+        margin = util * gpu - engine_min                               # KV room beyond one full-length rollout
+        vllm = {"vLLM bf16 weights: 2 P": 2 * P, "vLLM runtime (assumed)": VLLM_RUNTIME,
+                "KV for one full-length rollout": kv_bytes_per_token(d) * row} if shared else {}
+        return tokens, trainer, vllm, (margin if shared else min(margin, left)), max(0.0, util)
+
+    tokens, trainer, vllm, margin, util = at(cfg.micro_batch_tokens)
+    best = 0
+    for micro in range(1024, 262145, 1024):
+        if at(micro)[3] < 0:
+            break
+        best = micro
+    engine_gpus = (list(range(gpus)) if shared else list(range(1, gpus))) if with_vllm else []
+    kv_tokens = max(0, int((util * gpu - 2 * P - VLLM_RUNTIME) // kv_bytes_per_token(d))) if engine_gpus else 0
+    return Plan(d.name, P, gpus, ranks, gpu, row, tokens, trainer, vllm, margin, util, kv_tokens, engine_gpus, best)
+
+
+def run_stages(cfg: Config) -> list[str]:
+    """The RL stages a command runs (their lengths differ: config.STAGES)."""
+    return ["1", "2", "3"] if cfg.stage in ("all", "sft") else [cfg.stage]
+
+
+def format_plan(p: Plan) -> str:
+    """The plan as a table a person reads before starting a run."""
+    g = lambda b: f"{b / GiB:7.1f} GiB"  # noqa: E731
+    how = f"torchrun, {p.ranks} ranks (FSDP2)" if p.ranks > 1 else "one process" + (
+        ", the trainer alone on GPU 0" if p.gpus > 1 else ", trainer and engine share the GPU")
+    lines = [f"memory plan: {p.model} ({p.params / 1e9:.2f}B parameters) on {p.gpus} x {p.gpu_bytes / GiB:.1f} GiB, "
+             f"{how}; rows up to {p.row_tokens} tokens, micro-batches up to {p.micro_tokens} tokens",
+             "  trainer (busiest GPU):"]
+    lines += [f"    {k:<58} {g(v)}" for k, v in p.trainer.items()]
+    lines.append(f"    {'trainer total':<58} {g(sum(p.trainer.values()))}")
+    if p.vllm:
+        lines.append("  vLLM engine on the same GPU, at least:")
+        lines += [f"    {k:<58} {g(v)}" for k, v in p.vllm.items()]
+    lines.append(f"  {'reserve (fragmentation: 5%, at least 2 GiB)':<60} {g(reserve_bytes(p.gpu_bytes))}")
+    lines.append(f"  {'margin':<60} {g(p.margin)}  " + ("fits" if p.fits else "DOES NOT FIT"))
+    if p.engine_gpus:
+        lines.append(f"  vLLM: gpu_memory_utilization {p.gpu_memory_utilization:.2f} on GPUs {p.engine_gpus}: KV for "
+                     f"{p.kv_tokens:,} tokens per engine = {p.kv_tokens / p.row_tokens:.1f} full-length rollouts")
+    lines.append(f"  largest micro_batch_tokens that fits: {p.max_micro_batch_tokens or 'none'}")
+    return "\n".join(lines)
+
+
+def refusal(p: Plan, cfg: Config) -> str:
+    """One line for a plan that does not fit: by how much, and what to change."""
+    if p.ranks == 1 and p.gpus > 1 and 16 * p.params + reserve_bytes(p.gpu_bytes) > p.gpu_bytes:
+        fix = f"run under torchrun --nproc-per-node {p.gpus} (FSDP2 shards the 16 bytes a parameter over the GPUs)"
+    elif not cfg.activation_checkpointing:
+        fix = "--set activation_checkpointing=true"
+    elif cfg.micro_batch_tokens > p.max_micro_batch_tokens > 0:
+        fix = f"--set micro_batch_tokens={p.max_micro_batch_tokens}"
+    elif cfg.logprob_chunk_tokens <= 0 or cfg.logprob_chunk_tokens > 1024:
+        fix = "--set logprob_chunk_tokens=1024"
+    else:
+        fix = "more GPUs, larger GPUs, or a shorter --set max_response_tokens"
+    return (f"the memory plan does not fit: {p.model} on {p.gpus} x {p.gpu_bytes / GiB:.1f} GiB GPUs lacks "
+            f"{-p.margin / GiB:.1f} GiB per GPU (--plan prints it): {fix}")
+
+
+def plan_for(cfg: Config, model_dir, gpus: int, gpu_gb: float, ranks: int) -> Plan:
+    """The plan from a model directory's (or a config.json's) shape."""
+    return plan(ModelDims.from_config_json(model_dir), cfg, gpus, gpu_gb, ranks)
