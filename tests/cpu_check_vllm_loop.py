@@ -406,7 +406,9 @@ def check_all() -> dict:
              "logprob_diff_mean": x.get("logprob_diff_mean"), "logprob_diff_max": x.get("logprob_diff_max"),
              "tool_calls_per_traj": x.get("tool_calls_per_traj"), "tool_error_rate": x.get("tool_error_rate"),
              "loss_tokens": x.get("loss_tokens"), "model_tokens_kept": x.get("model_tokens_kept"),
-             "inserted_tokens_kept": x.get("inserted_tokens_kept"), "sync": sync}
+             "inserted_tokens_kept": x.get("inserted_tokens_kept"), "sampler_correction": x.get("sampler_correction"),
+             "mismatch_k3": x.get("mismatch_k3"), "is_corrected_frac": x.get("is_corrected_frac"),
+             "is_ess": x.get("is_ess"), "sync": sync}
         figures.append(f)
         name = f"{run}_step{x['step']}"
         check(f"{name}_updated_and_synced", x.get("loss") is not None and sync.get("tensors", 0) > 0
@@ -417,6 +419,11 @@ def check_all() -> dict:
         gap_mean, gap_max = x.get("logprob_diff_mean"), x.get("logprob_diff_max")
         check(f"{name}_logprob_gap_within_fp32", gap_mean is not None and gap_mean < GAP_MEAN
               and gap_max < GAP_MAX, {"mean": gap_mean, "max": gap_max})
+        # vLLM's kernels are not the trainer's: sampler_correction=auto is tis; at an fp32 gap no token reaches
+        # the cap C = 2 and the weights' ESS is 1 to rounding
+        check(f"{name}_correction_tis_and_idle_at_fp32", x.get("sampler_correction") == "tis"
+              and x.get("is_corrected_frac") == 0 and (x.get("is_ess") or 0) > 0.9999,
+              {k: f[k] for k in ("sampler_correction", "mismatch_k3", "is_corrected_frac", "is_ess")})
         check(f"{name}_tool_calls_ran_and_were_masked", (x.get("tool_calls_per_traj") or 0) > 0
               and x.get("loss_tokens") == x.get("model_tokens_kept") and (x.get("inserted_tokens_kept") or 0) > 0,
               {k: f[k] for k in ("tool_calls_per_traj", "tool_error_rate", "loss_tokens", "model_tokens_kept",
