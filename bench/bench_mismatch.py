@@ -33,7 +33,7 @@ import tasks  # noqa: E402
 from sandbox import SandboxPool  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--model", default="SmolLM2-135M-Instruct", help="a model directory (default: the bundled model)")
+p.add_argument("--model", default=models.DEFAULT_MODEL, help="a model directory (default: the bundled SmolLM2-135M-Instruct)")
 p.add_argument("--problems", type=int, default=8)
 p.add_argument("--samples", type=int, default=4)
 p.add_argument("--max-response-tokens", type=int, default=384)

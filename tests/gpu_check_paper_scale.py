@@ -3,8 +3,8 @@
 What the CPU suite proves on CPU ranks over gloo, on one CUDA (or ROCm) GPU over NCCL, with small Qwen3-shaped
 models built from transformers' Qwen3Config (random weights, Qwen3's vocabulary of 151,936):
   1. the device: models.training_device picks "cuda" for the paper preset (no silent CPU fallback);
-  2. lr = 0 means rho = 1 exactly under bf16 autocast: pi_old (no grad) and pi_theta (with grad) of the same
-     micro-batch are bitwise equal, chunked log-probs and activation checkpointing included;
+  2. lr = 0 means rho = 1 and no clipping in rl_update.policy_update under bf16 autocast (chunked log-probs and
+     activation checkpointing on); token_logprobs in fp32 give a row the same log-probs however it is packed;
   3. chunked log-probs and checkpointed layers leave the values and the gradient as the plain computation gives
      them (bf16 tolerance: cuBLAS picks kernels by shape, so chunks may round differently);
   4. the memory plan does not under-count: torch.cuda.max_memory_allocated of one row's forward + backward
@@ -59,18 +59,56 @@ def test_the_paper_preset_trains_on_the_gpu():
     assert models.training_device(Config(preset="paper", **PRESETS["paper"])) == "cuda"
 
 
-def test_lr0_ratio_is_one_under_bf16_autocast():
-    import model as models
+def trajectories(lengths, seed=0):
+    """Trajectories of random tokens: a shared 64-token prompt, then model turns and a tool response (mask 0)."""
+    import random
+
+    from protocol import Segment, Trajectory
+
+    rng = random.Random(seed)
+    prompt = [rng.randrange(VOCAB) for _ in range(64)]
+    out = []
+    for k, n in enumerate(lengths):
+        turn = [rng.randrange(VOCAB) for _ in range(n)]
+        tool = [rng.randrange(VOCAB) for _ in range(n // 4)]
+        out.append(Trajectory(f"p{k}", prompt, [Segment(turn[: n // 2], 1), Segment(tool, 0),
+                                                Segment(turn[n // 2:], 1)], reward=float(k % 2)))
+    return out
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [1, 4096])
+def test_policy_update_at_lr0_has_ratio_1_and_no_clipping_in_bf16(micro_batch_tokens):
+    """rl_update.policy_update on CUDA (bf16 autocast over fp32 masters, chunked log-probs, checkpointed layers):
+    with lr = 0, pi_theta = pi_old, so every ratio is 1 and nothing is clipped, one row a micro-batch or all."""
+    import random
+
+    import rstar2_mini as R
+
+    m = qwen3_like()
+    cfg = R.Config(lr=0.0, warmup_steps=1, grad_clip=1e9, minibatches=2, micro_batch_tokens=micro_batch_tokens,
+                   activation_checkpointing=True, logprob_chunk_tokens=256, temperature=1.0)
+    optimizer, schedule = R.make_optimizer(m, cfg)
+    rt = R.Runtime(m, None, engines=[], pool=None, loop=None)
+    trajs = trajectories([300, 500, 200, 700])
+    kept = [(t, a) for t, a in zip(trajs, [1.0, -0.5, 0.7, -1.1])]
+    out = R.policy_update(rt, cfg, optimizer, schedule, kept, random.Random(1))
+    assert out["clip_frac"] == 0.0 and out["ratio_min"] == 1.0 == out["ratio_max"], out
+    assert out["loss_tokens"] == sum(t.num_model_tokens for t in trajs), out
+
+
+def test_token_logprobs_do_not_depend_on_the_packing():
+    """fp32 on CUDA: each row's log-probs packed with others (padded, one shared prefix) equal the row alone."""
     import rl_update as U
 
     m = qwen3_like()
-    seqs, masks = rows([700, 450, 900])
-    kw = dict(masks=masks, share_prefix=False, chunk_tokens=256, checkpoint_layers=True)
-    with models.bf16_autocast(m, True):
-        with torch.no_grad():
-            old = U.token_logprobs(m, seqs, 0.7, **kw)
-        new = U.token_logprobs(m, seqs, 0.7, **kw)
-    assert torch.equal(new.detach(), old), float((new.detach() - old).abs().max())
+    trajs = trajectories([300, 500, 200], seed=3)
+    seqs, masks = [t.input_ids for t in trajs], [t.loss_mask for t in trajs]
+    with torch.no_grad():
+        packed = U.token_logprobs(m, seqs, 0.7, masks=masks)
+        for b, (s, mk) in enumerate(zip(seqs, masks)):
+            alone = U.token_logprobs(m, [s], 0.7, masks=[mk], share_prefix=False)[0]
+            assert torch.allclose(packed[b, :len(s)], alone, atol=1e-4), (b, float((packed[b, :len(s)] - alone)
+                                                                                  .abs().max()))
 
 
 def test_chunks_and_checkpointing_keep_values_and_gradient():
