@@ -256,23 +256,31 @@ def load_trainer_state(path) -> dict:
 def sharded_policy_from_rank0(path, device: str, bf16: bool):
     """The fp32 master weights, sharded over the ranks, read from disk by rank 0 alone (a 14B model is 59 GB in
     fp32: on every rank of a node that is 0.5 TB of host RAM). Every rank builds the model on the meta device (no
-    memory), shards it (shard_policy) and allocates its shards; rank 0's full state dict is broadcast shard by
-    shard (torch's set_model_state_dict, broadcast_from_rank0), and the buffers a state dict leaves out (RoPE's
-    inv_freq) are broadcast from rank 0's copy."""
+    memory), shards it (shard_policy) and allocates its shards; then load_weights_from_rank0 fills them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=torch.float32)
+    policy = shard_policy(policy, bf16=bf16)
+    policy.to_empty(device=device)
+    load_weights_from_rank0(policy, path)
+    return policy
+
+
+def load_weights_from_rank0(policy, path) -> None:
+    """A checkpoint's weights into a sharded policy: rank 0 reads the file, and its full state dict is broadcast
+    shard by shard (torch's set_model_state_dict, broadcast_from_rank0); the buffers a state dict leaves out
+    (RoPE's inv_freq) are broadcast from rank 0's copy. Used at start-up and when an interrupted SFT continues."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     import model as models
 
     full = models.load_model(path, dtype=torch.float32, device="cpu") if DIST.rank == 0 else None
-    with torch.device("meta"):
-        policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=torch.float32)
     if full is not None:
         policy.generation_config = full.generation_config
-    policy = shard_policy(policy, bf16=bf16)
-    policy.to_empty(device=device)
     wait_for_rank0()
     set_model_state_dict(policy, full.state_dict() if full is not None else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -283,7 +291,13 @@ def sharded_policy_from_rank0(path, device: str, bf16: bool):
                 buf.copy_(own[name])
             dist.broadcast(buf, src=0)
     del full, own
-    return policy
+
+
+def is_sharded(model) -> bool:
+    """Whether shard_policy has already made `model` an FSDP2 module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def clip_gradients(model, max_norm: float) -> float:

@@ -610,8 +610,11 @@ def run_sft_stage(cfg: Config, base_model: Path) -> Path:
         log(f"[sft] no SFT checkpoint in {d}: running the non-reasoning SFT first ({cfg.sft_examples} examples, "
             f"{cfg.sft_epochs} epoch(s))")
     tokenizer = models.load_tokenizer(base_model)
-    policy = models.load_model(base_model, dtype=torch.float32,  # fp32 master weights, as in RL
-                               device=models.training_device(cfg))
+    device = models.training_device(cfg)
+    if DIST.world > 1:  # fp32 master weights, as in RL: read by rank 0 alone and sharded over the ranks
+        policy = sharded_policy_from_rank0(base_model, device, bf16=device == "cuda")
+    else:
+        policy = models.load_model(base_model, dtype=torch.float32, device=device)
     scfg = sft.SFTConfig(n_examples=cfg.sft_examples, epochs=cfg.sft_epochs, lr=cfg.sft_lr,
                          batch_size=cfg.sft_batch, seed=cfg.seed)
     try:  # starts its own sandbox pool (rank 0); an interrupted SFT's weights replace the base model's

@@ -37,8 +37,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from checkpoints import latest_checkpoint, load_weights, rng_state, save_checkpoint, save_model, set_rng_state
-from distributed import (DIST, all_ranks_sum, clip_gradients, from_rank0, full_state, load_optimizer_state,
-                         my_micro_batches, rank_shares, shard_policy)
+from distributed import (DIST, all_ranks_sum, clip_gradients, from_rank0, full_state, is_sharded, load_optimizer_state,
+                         load_trainer_state, load_weights_from_rank0, my_micro_batches, rank_shares, shard_policy)
 from scheduler import Trajectory
 from sft_config import SFTConfig
 from sft_data import build_sft_examples, load_chat_jsonl
@@ -192,12 +192,10 @@ def settings_diff(theirs: dict, mine: dict) -> str:
 def interrupted_sft(run_dir: Path | None, cfg: SFTConfig) -> tuple[Path | None, dict | None]:
     """The latest checkpoint of an SFT killed in run_dir and its trainer state, or (None, None). Refuses one
     written with other settings or by another number of processes (ResumeMismatch)."""
-    import torch
-
     ckpt = latest_checkpoint(run_dir) if run_dir is not None else None
     if ckpt is None:
         return None, None
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    state = load_trainer_state(ckpt / "trainer_state.pt")   # rank 0 reads it; the optimizer state stays there
     diff = settings_diff(state["config"], asdict(cfg))
     if diff or state["world"] != DIST.world:
         why = diff or f"{state['world']} process(es) -> {DIST.world}"
@@ -261,10 +259,13 @@ def run_sft(model, tokenizer, cfg: SFTConfig, out_dir: Path | None, pool=None, l
     lead = DIST.rank == 0  # under torchrun (distributed.py): rank 0 builds the data, logs and saves
     if not lead:
         log = lambda *_: None  # noqa: E731
-    ckpt, start = interrupted_sft(run_dir, cfg)  # every rank reads it: each takes its shard of the AdamW state
+    # an interrupted SFT: rank 0 reads its trainer state (the AdamW state stays there, and load_optimizer_state
+    # sends each rank its shard) and, for a policy already sharded (sharded_policy_from_rank0), its weights
+    ckpt, start = interrupted_sft(run_dir, cfg)
+    sharded = DIST.world > 1 and is_sharded(model)
     if ckpt is not None:
-        load_weights(model, ckpt)
-    if DIST.world > 1:
+        (load_weights_from_rank0 if sharded else load_weights)(model, ckpt)
+    if DIST.world > 1 and not sharded:
         model = shard_policy(model, bf16=next(model.parameters()).is_cuda)
 
     # ---- data: generated chores (real sandbox outputs) + direct answers, optional JSONL chats, held-out set

@@ -61,7 +61,9 @@ def chat_rows() -> list[dict]:
 def sft_steps(model_dir: str, chats: str, out: str) -> None:
     import sft
 
-    sft.run_sft(models.load_model(model_dir), models.load_tokenizer(model_dir), sft_config(chats), Path(out))
+    # the recipe's path (rstar2_mini.run_sft_stage): rank 0 alone reads the weights, every rank gets its shards
+    policy = D.sharded_policy_from_rank0(model_dir, "cpu", bf16=False)
+    sft.run_sft(policy, models.load_tokenizer(model_dir), sft_config(chats), Path(out))
 
 
 def one_update(model_dir: str, out: str) -> None:
