@@ -125,9 +125,13 @@ PRESETS = {
     # 8 groups per step were dropped (RESULTS.md). The held-out set spans all eleven families.
     # engine_batch=64: all 64 rollouts of a step decode together (83 tok/s against 66 at 32 rows: a decode
     # step reads the weights once for twice the rows; docs/design.md, the CPU engine).
+    # micro_batch_tokens=1024, logprob_chunk_tokens=256: the update's activations (~2 MB a token in fp32) and
+    # logits for fewer tokens at once; the system prompt runs once a pass whatever the micro-batches, so they
+    # cost little speed (docs/memory.md, the CPU run: a step's peak 7.6 -> 5.x GB).
     "cpu": dict(steps=6, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=512,
                 engine_batch=64,
-                draw_problems=8, max_draw_rounds=1, lr=2e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=2048,
+                draw_problems=8, max_draw_rounds=1, lr=2e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=1024,
+                logprob_chunk_tokens=256,
                 eval_problems=22, eval_samples=2, hard_scan=32, sft_examples=304, levels=(1,),
                 scan_problems=2, scan_samples=4, scan_every=3),
     # One 8-GPU node: the paper's numbers (Table/section 4); lengths per stage come from STAGES below.

@@ -163,6 +163,17 @@ def bf16_is_fast(device: str = "cpu") -> bool:
         return False
 
 
+def cpu_kind() -> str:
+    """The kind of CPU a timing was taken on, for benchmark lines: 'AMX', 'AVX512-BF16', 'AVX512' or 'AVX2'
+    (bf16 matmuls are ~8x fp32 with bf16 units and emulated, slower than fp32, without)."""
+    import torch
+
+    cap = torch.backends.cpu.get_cpu_capability()   # 'AVX2', 'AVX512', ...
+    if bf16_is_fast("cpu"):
+        return "AMX" if torch.cpu._is_amx_tile_supported() else "AVX512-BF16"
+    return cap
+
+
 def bf16_autocast(model, bf16: bool | None = None):
     """bf16 autocast over the fp32 master weights (matmuls in bf16; the loss, the optimizer and the weights stay
     fp32), where `bf16` says so (None: where bf16 matrix units exist, bf16_is_fast). Used by the SFT and the RL
@@ -244,8 +255,31 @@ def load_model(path: str | Path, dtype=None, device: str = "cpu"):
 
     if dtype is None:
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    kv_heads_once_on_cpu()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return model.to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def kv_heads_once_on_cpu() -> None:
+    """Let transformers' sdpa attention hand torch's CPU kernel the keys and values once per KV head
+    (enable_gqa) when a mask is given too, instead of repeating them for every query head first (repeat_kv).
+
+    transformers repeats them whenever there is a mask, because CUDA's fast kernels take grouped heads only
+    without one. torch's CPU flash kernel takes both: the same output bit for bit, gradients to 2e-7, and backward
+    keeps each KV head once. For SmolLM2 (9 query / 3 KV heads) the repeated keys and values were the largest
+    activation of a CPU update: 639 of 2,050 MB kept for a micro-batch of 1,024 tokens. Other devices keep
+    transformers' rule. Called by load_model and tiny_model; once a process."""
+    from transformers.integrations import sdpa_attention
+
+    theirs = sdpa_attention.use_gqa_in_sdpa
+
+    def use_gqa_in_sdpa(attention_mask, key, value):
+        if key.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
+            return True
+        return theirs(attention_mask, key, value)
+
+    sdpa_attention.use_gqa_in_sdpa = use_gqa_in_sdpa
 
 
 def release_freed_memory() -> None:
@@ -377,6 +411,31 @@ def prefix_cache(model, prefix_ids):
     out = model(input_ids=prefix_ids, use_cache=True, logits_to_keep=1)
     cache = out["cache"] if "cache" in out else out.past_key_values  # 5.x / 4.x name of the output
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def shared_prompt_kv(model, prompt: list[int]):
+    """The system prompt once for a whole pass over the trajectories, instead of once per micro-batch: the KV of
+    the first p tokens that every trajectory shares (rl_update.policy_update, sft.accumulate_gradients: p = the
+    shared length - 1, so the last shared token still runs with each row). Returns (kv for the micro-batches, kv with the graph or None).
+
+    With grad, the micro-batches attend to detached copies (leaves) of the prompt's KV: each backward adds dL/dKV
+    into their .grad, and backward_through_prompt then runs the prompt's own backward once with the sum. By the
+    chain rule that is the gradient of the loss through a full forward of every row (tests/test_trainer.py)."""
+    import torch
+
+    graph = prefix_cache(model, torch.tensor([prompt], device=next(model.parameters()).device))
+    if not torch.is_grad_enabled():
+        return graph, None
+    return [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in graph], graph
+
+
+def backward_through_prompt(leaves, graph) -> None:
+    """The prompt's backward, once, with the gradients the micro-batches left on its KV (shared_prompt_kv)."""
+    import torch
+
+    pairs = [(g, leaf.grad) for gl, ll in zip(graph, leaves) for g, leaf in zip(gl, ll) if leaf.grad is not None]
+    if pairs:
+        torch.autograd.backward([g for g, _ in pairs], [d for _, d in pairs])
 
 
 @contextmanager
@@ -545,6 +604,7 @@ def tiny_model(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    kv_heads_once_on_cpu()
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,

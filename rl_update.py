@@ -21,7 +21,7 @@ import random
 
 from config import Config, Runtime
 from distributed import DIST, all_ranks_max, all_ranks_sum, clip_gradients, my_micro_batches, rank_shares
-
+from model import backward_through_prompt, shared_prompt_kv
 
 # ----------------------------------------------------------------------------------------------------------
 # Log-probabilities of trajectories, with the shared system prompt computed once.
@@ -91,33 +91,6 @@ def token_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, share
         kept = models.next_token_logits(model, ids, mask, P, share_prefix, keep=keep[:, P:], prefix_kv=prefix_kv,
                                          logprobs_of=(ids[keep], temperature, chunk_tokens))
     return torch.zeros(B, L, dtype=kept.dtype, device=device).masked_scatter(keep, kept)
-
-
-def shared_prompt_kv(model, prompt: list[int]):
-    """The system prompt once for a whole pass over the trajectories, instead of once per micro-batch: the KV of
-    the first p tokens that every trajectory shares (policy_update: p = shared_prefix_length - 1, so the last
-    shared token still runs with each row). Returns (kv for the micro-batches, kv with the graph or None).
-
-    With grad, the micro-batches attend to detached copies (leaves) of the prompt's KV: each backward adds dL/dKV
-    into their .grad, and backward_through_prompt then runs the prompt's own backward once with the sum. By the
-    chain rule that is the gradient of the loss through a full forward of every row (tests/test_trainer.py)."""
-    import torch
-
-    import model as models
-
-    graph = models.prefix_cache(model, torch.tensor([prompt], device=next(model.parameters()).device))
-    if not torch.is_grad_enabled():
-        return graph, None
-    return [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in graph], graph
-
-
-def backward_through_prompt(leaves, graph) -> None:
-    """The prompt's backward, once, with the gradients the micro-batches left on its KV (shared_prompt_kv)."""
-    import torch
-
-    pairs = [(g, leaf.grad) for gl, ll in zip(graph, leaves) for g, leaf in zip(gl, ll) if leaf.grad is not None]
-    if pairs:
-        torch.autograd.backward([g for g, _ in pairs], [d for _, d in pairs])
 
 
 # ----------------------------------------------------------------------------------------------------------

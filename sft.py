@@ -12,8 +12,8 @@ downloaded) and this module trains on it:
     with the same settings, continues where it was, to the same weights as an uninterrupted run
     hyperparameters: SFTConfig (sft_config.py)
 
-Speed: every generated example starts with the same ~450-token system prompt. `batch_loss` runs that shared
-prefix once per micro-batch (batch size 1, with gradient) and lets each example attend to its cached keys/values;
+Speed: every generated example starts with the same ~450-token system prompt. `accumulate_gradients` runs that
+shared prefix once per batch (batch size 1, with gradient) and lets each example attend to its cached keys/values;
 the loss and the gradients are exactly those of the plain padded batch (tests/test_sft.py checks this), at a
 fraction of the cost on a CPU. The matmuls run under bf16 autocast over fp32 master weights where the
 hardware has bf16 units (a GPU; a CPU with AVX512-BF16 or AMX: a step 1.7x faster, README). Memory: a batch of
@@ -81,14 +81,16 @@ def shared_prefix_len(batch: dict) -> int:
     return max(0, min(common, first_label) - 1)
 
 
-def batch_loss(model, batch: dict, share_prefix: bool = True):
+def batch_loss(model, batch: dict, share_prefix: bool = True, prompt_kv=None, chunk_tokens: int = 0):
     """Summed token cross-entropy over labeled tokens, and their count: logits at t predict the token at t+1.
 
-    With share_prefix, the common prompt runs once (batch size 1, with gradient) into a KV cache shared by the
-    batch (model.next_token_logits); the rest of each row attends to it. Same loss and gradients as the plain
-    batch, far less work."""
-    import torch.nn.functional as F
+        CE = sum over labeled t of -log softmax(logits_{t-1})[x_t]
 
+    With share_prefix, the common prompt runs once (batch size 1, with gradient) into a KV cache shared by the
+    batch (model.next_token_logits); the rest of each row attends to it. prompt_kv: that prompt's KV computed
+    once by the caller for several micro-batches (accumulate_gradients). The log-probs are computed chunk_tokens
+    tokens at a time (models.chunked_logprobs; <= 0: all at once), so the 49K-wide logits never exist for more.
+    Same loss and gradients as the plain batch, far less work and memory."""
     import model as models
 
     device = next(model.parameters()).device
@@ -96,10 +98,18 @@ def batch_loss(model, batch: dict, share_prefix: bool = True):
     start = 1 + (shared_prefix_len(batch) if share_prefix else 0)   # logits predict ids[:, start:]
     targets = labels[:, start:]
     labeled = targets != -100   # assistant tokens: the only logits computed (~2/3 of the tokens after the prompt)
-    logits = models.next_token_logits(model, ids, attn, start, share_prefix=share_prefix and start >= 16,
-                                      keep=labeled)
-    loss_sum = F.cross_entropy(logits.float(), targets[labeled], reduction="sum")
-    return loss_sum, int(labeled.sum())
+    logp = models.next_token_logits(model, ids, attn, start, share_prefix=share_prefix and start >= 16,
+                                    keep=labeled, prefix_kv=prompt_kv,
+                                    logprobs_of=(targets[labeled], 1.0, chunk_tokens))
+    return -logp.sum(), int(labeled.sum())
+
+
+def batch_prompt(examples: list[Trajectory], pad_id: int) -> list[int]:
+    """The tokens every example of the batch starts with, short of the last one before its first labeled token
+    (that one runs with each row, for the logit of the first label): what a pass over the batch's micro-batches
+    forwards once (models.shared_prompt_kv). Empty when under 16 tokens are shared."""
+    p = shared_prefix_len(collate(examples, pad_id)) if len(examples) > 1 else 0
+    return examples[0].input_ids[:p] if p >= 16 else []
 
 
 def my_micro_batches_of(examples: list[Trajectory], max_tokens: int) -> list:
@@ -123,18 +133,28 @@ def autocast(model, cfg: SFTConfig):
 def accumulate_gradients(model, examples: list[Trajectory], cfg: SFTConfig, pad_id: int) -> float:
     """Gradients of the token-level mean loss over the whole batch, in micro-batches of cfg.micro_batch_tokens:
     L = sum_mb sum_tokens CE / N, N = the batch's model tokens, so splitting changes memory, not the gradient.
+    The shared prompt runs once for the batch: the micro-batches attend to its KV and leave their gradients on
+    it, and its own backward runs once at the end (models.shared_prompt_kv, backward_through_prompt).
     Under torchrun the ranks split the batch and FSDP averages their gradients: each rank's loss is scaled by
-    the number of ranks."""
+    the number of ranks (every rank forwards whole rows: the same passes whatever its share)."""
+    import model as models
+
     total = sum(sum(t.loss_mask) for t in examples)  # N: every labeled token (a prompt always precedes them)
     share = cfg.share_prefix and DIST.world == 1     # FSDP: the same number of forward passes on every rank
+    prompt = batch_prompt(examples, pad_id) if share else []
+    with autocast(model, cfg):
+        leaves, graph = models.shared_prompt_kv(model, prompt) if prompt else (None, None)
     loss = 0.0
     for micro in my_micro_batches_of(examples, cfg.micro_batch_tokens):
         with autocast(model, cfg):
-            loss_sum, _ = batch_loss(model, collate(micro or examples[:1], pad_id), share)
+            loss_sum, _ = batch_loss(model, collate(micro or examples[:1], pad_id), share, leaves,
+                                     cfg.logprob_chunk_tokens)
         if micro is None:
             loss_sum = loss_sum * 0.0  # an empty pass: keeps this rank in step with the others
         (loss_sum * DIST.world / max(1, total)).backward()
         loss += loss_sum.item() / max(1, total)
+    if leaves is not None:
+        models.backward_through_prompt(leaves, graph)
     return all_ranks_sum([loss])[0]
 
 
@@ -163,11 +183,16 @@ def heldout_loss(model, examples: list[Trajectory], cfg: SFTConfig, pad_id: int)
     """Mean token loss on held-out SFT examples (no gradient)."""
     import torch
 
+    import model as models
+
     model.eval()
     total, count = 0.0, 0
+    share = cfg.share_prefix and DIST.world == 1
+    prompt = batch_prompt(examples, pad_id) if share else []
     with torch.no_grad(), autocast(model, cfg):
+        prompt_kv = models.shared_prompt_kv(model, prompt)[0] if prompt else None
         for batch in my_micro_batches_of(examples, cfg.micro_batch_tokens):
-            s, c = batch_loss(model, collate(batch or examples[:1], pad_id), cfg.share_prefix and DIST.world == 1)
+            s, c = batch_loss(model, collate(batch or examples[:1], pad_id), share, prompt_kv, cfg.logprob_chunk_tokens)
             if batch is not None:
                 total, count = total + float(s), count + c
     model.train()

@@ -12,7 +12,9 @@ trainer log-prob mismatch.
     python bench/bench_rl_step.py --model M --baseline 11474cd --rounds 2 --steps 1 --set engine_batch=32
 
 The rollouts of the two arms are not token-identical (the samplers differ); the step's shape is: same
-problems, same lengths budget. The last line printed is one JSON object.
+problems, same lengths budget. The last line printed is one JSON object; with it the decode shape's fp32 and bf16
+matmul rates on this CPU, timed before the arms run, and each arm's rollout-phase share of the rate of the dtype
+its engine runs in (bench/roofline.py; precision=auto: bf16 where the CPU has bf16 units).
 """
 
 import argparse
@@ -42,6 +44,17 @@ args = parser.parse_args()
 model = Path(args.model).resolve()
 if not (model / "config.json").exists():
     sys.exit(f"error: {model} is not a model directory (no config.json)")
+
+
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import model as models  # noqa: E402
+import roofline  # noqa: E402
+
+policy = models.load_model(model)
+engine_batch = int(next((s.split("=", 1)[1] for s in args.set if s.startswith("engine_batch=")), 64))
+rates = roofline.decode_rates(policy, engine_batch)   # GFLOPS of the decode shape on this CPU, fp32 and bf16
+engine_rate = rates["bfloat16" if models.bf16_is_fast("cpu") else "float32"]
 
 
 def export(rev: str, dest: Path) -> Path:
@@ -104,6 +117,10 @@ summary |= {"step_speedup": round(summary["baseline_step_time_s"] / summary["cur
             "rollout_speedup": round(summary["baseline_rollout_time_s"] / summary["current_rollout_time_s"], 3),
             "update_speedup": round((summary["baseline_step_time_s"] - summary["baseline_rollout_time_s"])
                                     / (summary["current_step_time_s"] - summary["current_rollout_time_s"]), 3),
+            "host": models.cpu_kind(), "decode_matmul_gflops": rates,
+            **{f"{arm}_rollout_share_of_rate": round(roofline.share_of_rate(summary[f"{arm}_gen_tokens_per_s"], policy,
+                                                                            engine_rate), 3)
+               for arm in ("baseline", "current") if summary[f"{arm}_gen_tokens_per_s"]},
             "baseline": args.baseline, "model": str(model), "steps": args.steps, "rounds": args.rounds,
             "overrides": args.set, "current_overrides": args.set_current}
 print(json.dumps(summary))

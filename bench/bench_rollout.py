@@ -17,7 +17,8 @@ Two measurements, in one run, with the default SmolLM2-135M-Instruct model:
     python bench/bench_rollout.py                                    # 8 problems x 2 samples, 512 tokens, 3 turns
     python bench/bench_rollout.py --problems 16 --samples 4 --max-response-tokens 1024
 
-The last line printed is one JSON object.
+The last line printed is one JSON object; with it the decode shape's fp32 and bf16 matmul rates on this CPU and
+each engine's share of the rate of its dtype (bench/roofline.py).
 """
 
 import argparse
@@ -31,7 +32,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model as models  # noqa: E402
+import roofline  # noqa: E402
 import scheduler  # noqa: E402
 import tasks  # noqa: E402
 from sandbox import SandboxPool  # noqa: E402
@@ -153,6 +156,7 @@ async def main():
 
 
 ours, sync = asyncio.run(main())
+rates = roofline.decode_rates(model, args.max_batch)   # GFLOPS of the decode shape, fp32 and bf16, on this CPU
 ours_tps, sync_tps = ours["model_tokens"] / ours["wall_s"], sync["model_tokens"] / sync["wall_s"]
 print(json.dumps({
     "engine_tok_s": round(engine_tokens / engine_s, 1), "generate_tok_s": round(generate_tokens / generate_s, 1),
@@ -160,6 +164,9 @@ print(json.dumps({
     "engine_over_baseline": round((engine_tokens / engine_s) / (baseline_tokens / baseline_s), 3),
     "engine_over_generate": round((engine_tokens / engine_s) / (generate_tokens / generate_s), 3),
     "engine_bf16_tok_s": round(bf16_tokens / bf16_s, 1), "bf16_units": models.bf16_is_fast("cpu"),
+    "host": models.cpu_kind(), "decode_matmul_gflops": rates,
+    "engine_share_of_fp32_rate": round(roofline.share_of_rate(engine_tokens / engine_s, model, rates["float32"]), 3),
+    "engine_bf16_share_of_bf16_rate": round(roofline.share_of_rate(bf16_tokens / bf16_s, model, rates["bfloat16"]), 3),
     "engine_bf16_over_fp32": round((bf16_tokens / bf16_s) / (engine_tokens / engine_s), 3),
     "engine_bf16_over_baseline": round((bf16_tokens / bf16_s) / (baseline_tokens / baseline_s), 3),
     "engine_batch": args.max_batch, "baseline_batch": args.baseline_batch, "baseline": args.baseline,

@@ -1,26 +1,29 @@
-"""Benchmark the SFT step (sft.py) on the bundled model: the vocabulary projection restricted to labeled tokens
-against the plain one that projects every position, in one run.
+"""Benchmark the SFT step (sft.py) on the bundled model: this step against the step before the shared prompt
+ran once per batch and the logits a chunk at a time, in one run.
 
-SmolLM2's output projection maps each hidden state to 49,152 logits: about a fifth of the model's forward
-FLOPs per token, and the largest tensors of a step (the logits, their fp32 copy for the loss, their gradient).
-sft.batch_loss asks model.next_token_logits for the logits of labeled (assistant) tokens only; the baseline here
-is the same loss computed from every position's logits, as before (the answer is the same: test_sft checks it).
+    baseline   the system prompt (~450 tokens) forwarded once per micro-batch, every labeled token's 49K-wide
+               logits at once, micro-batches of 2304 padded response tokens (SFTConfig's former defaults)
+    ours       sft.accumulate_gradients as it is: the prompt once per batch (models.shared_prompt_kv, its
+               backward once), log-probs logprob_chunk_tokens at a time, SFTConfig's micro_batch_tokens
 
-Over the first K batches of the CPU preset's data, with the steps exactly as sft.run_sft takes them
-(micro-batches, bf16 autocast where the CPU has bf16 units, clip, AdamW):
+Both give the loss and gradients of the plain batch (tests/test_sft.py). Over the first K batches of the CPU
+preset's data, with the steps exactly as sft.run_sft takes them (bf16 autocast where the CPU has bf16 units,
+clip, AdamW):
   timing   one process runs both variants' forward and backward passes on every batch, in alternating order
            (a slow spell of a shared host hits both), then one optimizer step; the first batch is a warm-up
   memory   each variant alone in a child process of its own: its peak resident memory, and its losses
 
-    python bench/bench_sft_step.py              # 6 batches of 8 examples (about 7 minutes on 2 cores)
+    python bench/bench_sft_step.py              # 6 batches of 8 examples (about 8 minutes on 2 AVX2 cores)
     python bench/bench_sft_step.py --steps 10
 
 The last line printed is one JSON object: mean forward + backward seconds per batch of each variant, speed-up =
-baseline / labeled-only, peak resident memory of each, and the largest loss difference (bf16 rounding).
+baseline / ours, peak resident memory of each, and the largest difference of the two variants' losses on the same
+batches and weights (the timing process; the memory processes draw their data apiece).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import resource
@@ -33,18 +36,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import model as models  # noqa: E402
 import sft  # noqa: E402
+from distributed import all_ranks_sum  # noqa: E402
 
 
-def every_position_loss(model, batch: dict, share_prefix: bool = True):
-    """The baseline: sft.batch_loss as it was, projecting every position after the shared prefix."""
-    import torch.nn.functional as F
+def baseline_gradients(model, examples, cfg, pad_id) -> float:
+    """The baseline step: the prompt once per micro-batch, all of a micro-batch's logits at once."""
+    cfg = dataclasses.replace(cfg, micro_batch_tokens=2304)
+    total = sum(sum(t.loss_mask) for t in examples)
+    loss = 0.0
+    for micro in sft.my_micro_batches_of(examples, cfg.micro_batch_tokens):
+        with sft.autocast(model, cfg):
+            loss_sum, _ = sft.batch_loss(model, sft.collate(micro, pad_id), True, None, 0)
+        (loss_sum / total).backward()
+        loss += loss_sum.item() / total
+    return all_ranks_sum([loss])[0]
 
-    ids, attn, labels = (batch[k] for k in ("input_ids", "attention_mask", "labels"))
-    start = 1 + (sft.shared_prefix_len(batch) if share_prefix else 0)
-    logits = models.next_token_logits(model, ids, attn, start, share_prefix=share_prefix and start >= 16)
-    targets = labels[:, start:]
-    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
-    return loss_sum, int((targets != -100).sum())
+
+STEPS = {"baseline": baseline_gradients, "ours": sft.accumulate_gradients}
 
 
 def setup(n_examples: int, steps: int):
@@ -63,11 +71,10 @@ def setup(n_examples: int, steps: int):
 
 
 def gradients(model, batch, cfg, pad_id, variant: str) -> tuple[float, float]:
-    """One step's forward and backward passes (sft.accumulate_gradients) with one loss; (loss, seconds)."""
-    sft.batch_loss = LOSSES[variant]  # accumulate_gradients calls it through the module
+    """One step's forward and backward passes with one variant; (loss, seconds)."""
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    loss = sft.accumulate_gradients(model, batch, cfg, pad_id)
+    loss = STEPS[variant](model, batch, cfg, pad_id)
     return loss, time.perf_counter() - t0
 
 
@@ -94,26 +101,26 @@ def memory_child(variant: str, steps: int, n_examples: int) -> dict:
 
 def timing_child(steps: int, n_examples: int) -> dict:
     """Both variants on every batch, in alternating order (so a slow spell of a shared host hits both), then one
-    optimizer step from the gradients of the variant that ran second (the two are equal up to bf16 rounding)."""
+    optimizer step from the gradients of the variant that ran second (the two are equal up to rounding)."""
     model, pad_id, cfg, batches, opt = setup(n_examples, steps)
-    seconds = {v: [] for v in LOSSES}
+    seconds, losses = {v: [] for v in STEPS}, {v: [] for v in STEPS}
     for k, batch in enumerate(batches):
-        order = list(LOSSES) if k % 2 == 0 else list(LOSSES)[::-1]
+        order = list(STEPS) if k % 2 == 0 else list(STEPS)[::-1]
         for variant in order:
-            seconds[variant].append(gradients(model, batch, cfg, pad_id, variant)[1])
+            loss, s = gradients(model, batch, cfg, pad_id, variant)
+            seconds[variant].append(s)
+            losses[variant].append(loss)
         optimizer_step(model, opt, cfg)
-        print(f"[timing] step {k + 1}: " + ", ".join(f"{v} {seconds[v][-1]:.1f}s" for v in LOSSES), flush=True)
-    return {v: sum(t[1:]) / (len(t) - 1) for v, t in seconds.items()}  # the first step is a warm-up
-
-
-LOSSES = {"every_position": every_position_loss, "labeled_only": sft.batch_loss}
+        print(f"[timing] step {k + 1}: " + ", ".join(f"{v} {seconds[v][-1]:.1f}s" for v in STEPS), flush=True)
+    return {**{v: sum(t[1:]) / (len(t) - 1) for v, t in seconds.items()},  # the first step is a warm-up
+            "max_loss_diff": max(abs(a - b) for a, b in zip(*losses.values()))}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per variant (the first is not timed)")
     parser.add_argument("--n-examples", type=int, default=304, help="examples generated (the CPU preset's count)")
-    parser.add_argument("--child", choices=["labeled_only", "every_position", "timing"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["ours", "baseline", "timing"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is a warm-up)")
@@ -123,7 +130,7 @@ def main() -> None:
         print(json.dumps(run()))
         return
     out = {}
-    for child in ("timing", "every_position", "labeled_only"):
+    for child in ("timing", "baseline", "ours"):
         cmd = [sys.executable, __file__, "--child", child, "--steps", str(args.steps),
                "--n-examples", str(args.n_examples)]
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
@@ -132,15 +139,15 @@ def main() -> None:
         lines = done.stdout.strip().splitlines()
         print("\n".join(lines[:-1]), flush=True)
         out[child] = json.loads(lines[-1])
-    time_s, base, ours = out["timing"], out["every_position"], out["labeled_only"]
-    result = {"steps": args.steps, "examples_per_step": sft.SFTConfig().batch_size,
-              "labeled_token_share": round(ours["labeled_tokens"] / ours["tokens"], 3),
-              "every_position_fwd_bwd_s": round(time_s["every_position"], 2),
-              "labeled_only_fwd_bwd_s": round(time_s["labeled_only"], 2),
-              "speedup": round(time_s["every_position"] / time_s["labeled_only"], 3),
-              "every_position_peak_gb": round(base["peak_rss_gb"], 2),
-              "labeled_only_peak_gb": round(ours["peak_rss_gb"], 2),
-              "max_loss_diff": max(abs(a - b) for a, b in zip(base["losses"], ours["losses"]))}
+    time_s, base, ours = out["timing"], out["baseline"], out["ours"]
+    cfg = sft.SFTConfig()
+    result = {"steps": args.steps, "examples_per_step": cfg.batch_size, "host": models.cpu_kind(),
+              "micro_batch_tokens": {"baseline": 2304, "ours": cfg.micro_batch_tokens},
+              "logprob_chunk_tokens": cfg.logprob_chunk_tokens,
+              "baseline_fwd_bwd_s": round(time_s["baseline"], 2), "ours_fwd_bwd_s": round(time_s["ours"], 2),
+              "speedup": round(time_s["baseline"] / time_s["ours"], 3),
+              "baseline_peak_gb": round(base["peak_rss_gb"], 2), "ours_peak_gb": round(ours["peak_rss_gb"], 2),
+              "max_loss_diff_same_batches": time_s["max_loss_diff"]}
     print(json.dumps(result))
 
 

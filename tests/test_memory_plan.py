@@ -92,6 +92,26 @@ def test_chunked_logprobs_keep_no_vocabulary_wide_tensor_for_backward(tokenizer)
 # 2. Activation checkpointing per decoder layer: the same gradients, also through the shared prompt's KV
 
 
+def test_the_update_keeps_each_kv_head_once_for_backward(tokenizer):
+    """Grouped-query attention: backward keeps the keys and values once per KV head, not repeated for every query
+    head (repeat_kv: 3x the attention's memory for SmolLM2's 9 query / 3 KV heads, the largest activation of a CPU
+    update). The oracle of the values and gradients is the full-forward tests above; here, what is kept."""
+    m = models.tiny_model(tokenizer, seed=5)
+    heads, kv_heads = m.config.num_attention_heads, m.config.num_key_value_heads
+    assert heads > kv_heads
+    trajs = random_trajectories(tokenizer, random.Random(0), 3, one_problem=True)
+    seqs, masks = [t.input_ids for t in trajs], [t.loss_mask for t in trajs]
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(tuple(t.shape)) or t, lambda t: t):
+        prompt_kv, _ = U.shared_prompt_kv(m, seqs[0][:U.shared_prefix_length(seqs, masks) - 1])
+        U.token_logprobs(m, seqs, 1.0, masks=masks, prefix_kv=prompt_kv)
+    head_dim = m.config.hidden_size // heads
+    longest = max(len(s) for s in seqs)
+    keys = [s for s in kept if len(s) == 4 and s[-1] == head_dim and s[2] > 1 and s[1] in (heads, kv_heads)
+            and s[2] >= longest - 1]   # [rows, heads, key length, head dim]
+    assert keys and all(s[1] == kv_heads for s in keys), keys
+
+
 def test_checkpointed_layers_give_the_full_forwards_gradients(tokenizer):
     """checkpoint_layers=True: every decoder layer keeps its inputs only and runs again in backward. Gradients
     equal each trajectory's own full forward (fp32), with the prefix shared inside the call, without it, and with

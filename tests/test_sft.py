@@ -263,7 +263,9 @@ def test_no_gradient_from_system_user_or_tool_tokens(tokenizer, examples):
     class FixedLogits(torch.nn.Module):  # a stand-in model whose logits are a leaf tensor (gradient readable)
         def __init__(self):
             super().__init__()
-            self.lm_head = torch.nn.Identity()  # the output projection, which batch_loss restricts to labels
+            self.lm_head = torch.nn.Linear(50, 50, bias=False)  # the output projection (identity), which
+            self.lm_head.weight.data = torch.eye(50)             # batch_loss restricts to labels
+            self.lm_head.weight.requires_grad_(False)
 
         def get_output_embeddings(self):
             return self.lm_head
@@ -337,6 +339,37 @@ def test_micro_batches_give_the_batch_gradient(tokenizer, examples):
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
     for a, b in zip(results[0][1], results[1][1]):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-3)
+
+
+def test_the_prompt_runs_once_a_batch_and_logits_exist_a_chunk_at_a_time(tokenizer, examples, monkeypatch):
+    """Memory and speed of a step (bench/bench_sft_step.py): the shared system prompt is forwarded once for the
+    whole batch, not once per micro-batch, and the 49K-wide logits exist for at most logprob_chunk_tokens tokens
+    at once. The oracle is the textbook loss over a plain forward of the whole batch, every logit computed."""
+    model = models.tiny_model(tokenizer, seed=4)
+    batch = examples[:6]
+    plain = sft.collate(batch, tokenizer.pad_token_id)
+    out = model(input_ids=plain["input_ids"], attention_mask=plain["attention_mask"])
+    ref = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), plain["labels"][:, 1:].flatten(),
+                                            ignore_index=-100, reduction="sum")
+    n = int((plain["labels"] != -100).sum())
+    (ref / n).backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    widths, prompt_runs = [], []
+    opening = plain["input_ids"][0, :16]   # a forward that starts at the prompt runs the prompt
+    model.get_input_embeddings().register_forward_hook(
+        lambda _m, args, _out: prompt_runs.append(int((args[0][:, :16] == opening).all(dim=1).sum())))
+    selected = models.selected_logprobs
+    monkeypatch.setattr(models, "selected_logprobs", lambda h, *a: widths.append(h.shape[0]) or selected(h, *a))
+    cfg = sft.SFTConfig(micro_batch_tokens=300, logprob_chunk_tokens=64, bf16=False)
+    loss = sft.accumulate_gradients(model, batch, cfg, tokenizer.pad_token_id)
+    assert len(sft.my_micro_batches_of(batch, cfg.micro_batch_tokens)) >= 3
+    assert sum(prompt_runs) == 1                                          # once for the batch
+    assert widths and max(widths) <= 64                                   # never more than a chunk of logits
+    assert loss == pytest.approx(ref.item() / n, rel=1e-5)
+    for a, p in zip(ref_grads, model.parameters()):
+        assert torch.allclose(a, p.grad, atol=1e-6, rtol=1e-3)
 
 
 def test_bf16_autocast_keeps_the_loss_and_the_gradient_direction(tokenizer, examples):

@@ -866,6 +866,31 @@ def test_the_cpu_engine_admits_engine_batch_rollouts_at_their_whole_budget(stage
         R.close_runtime(rt)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_fp32_cpu_engine_samples_from_the_trainers_own_weights(tiny_model_dir, monkeypatch, precision):
+    """Where the CPU engine runs in the trainer's precision (fp32: precision=fp32, or auto without bf16 units) it
+    holds the trainer's model itself, not a copy (the copy was 540 MB of a 135M model's peak): the weight sync then
+    has nothing to copy, and the engine samples exactly what the trainer computes. A bf16 engine keeps its own
+    bf16 copy, and the sync copies into it."""
+    import sandbox
+
+    monkeypatch.setattr(sandbox, "SandboxPool", NoSandbox)
+    cfg = R.parse_args(["--set", "engine=transformers", "--set", f"precision={precision}"])
+    rt = R.build_runtime(cfg, tiny_model_dir)
+    try:
+        engine = rt.engines[0]
+        shared = engine.model is rt.model
+        assert shared == (precision == "fp32")
+        assert next(engine.model.parameters()).dtype == (torch.float32 if shared else torch.bfloat16)
+        with torch.no_grad():
+            next(rt.model.parameters()).add_(1.0)    # an update
+        scheduler.sync_weights(rt.engines, R.unwrapped(rt))
+        a, b = next(rt.model.parameters()), next(engine.model.parameters())
+        assert torch.allclose(a.to(b.dtype).float(), b.float())
+    finally:
+        R.close_runtime(rt)
+
+
 def test_each_use_of_rollouts_samples_its_own_stream(monkeypatch):
     """Every request's generator is seeded from (the seed its use hands run_rollouts, problem index, sample index,
     turn), so two uses that hand over one seed draw the same uniforms for their k-th problems (at seed 0 the
