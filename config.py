@@ -116,9 +116,9 @@ class Config:
 
 PRESETS = {
     # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 fit in about an hour
-    # where the CPU has bf16 units. Measured (README, RESULTS.md): SFT ~10 min with bf16 units, ~25-29 min in fp32
-    # on an AVX2-only host; there a step (8 problems x 8 rollouts, then the update) takes 4-6.5 min and a
-    # difficulty scan 5.5 min, 1 h 15 min for the whole command.
+    # where the CPU has bf16 units. Measured (README, RESULTS.md): on an AVX2-only host (fp32) SFT 15 min, a step
+    # (8 problems x 8 rollouts, then the update) 3.6-4.4 min, a difficulty scan 3.3-4 min: 51 min for the whole
+    # command, at a peak of 6.3 GB (5.87 GiB).
     # Problems: every step trains on the generator cells (family, level) in which the policy is sometimes right,
     # found by a scan of all eleven families (2 problems x 4 rollouts each) at the start and every 3 steps. A
     # group of all-wrong rollouts has zero advantage and teaches nothing: on all eleven families unscanned, 7 of
@@ -127,7 +127,7 @@ PRESETS = {
     # step reads the weights once for twice the rows; docs/design.md, the CPU engine).
     # micro_batch_tokens=1024, logprob_chunk_tokens=256: the update's activations (~2 MB a token in fp32) and
     # logits for fewer tokens at once; the system prompt runs once a pass whatever the micro-batches, so they
-    # cost little speed (docs/memory.md, the CPU run: a step's peak 7.6 -> 5.x GB).
+    # cost little speed (docs/memory.md, the CPU run).
     "cpu": dict(steps=6, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=512,
                 engine_batch=64,
                 draw_problems=8, max_draw_rounds=1, lr=2e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=1024,
