@@ -416,7 +416,8 @@ def prefix_cache(model, prefix_ids):
 def shared_prompt_kv(model, prompt: list[int]):
     """The system prompt once for a whole pass over the trajectories, instead of once per micro-batch: the KV of
     the first p tokens that every trajectory shares (rl_update.policy_update, sft.accumulate_gradients: p = the
-    shared length - 1, so the last shared token still runs with each row). Returns (kv for the micro-batches, kv with the graph or None).
+    shared length - 1, so the last shared token still runs with each row). Returns (kv for the micro-batches, kv
+    with the graph or None).
 
     With grad, the micro-batches attend to detached copies (leaves) of the prompt's KV: each backward adds dL/dKV
     into their .grad, and backward_through_prompt then runs the prompt's own backward once with the sum. By the

@@ -23,6 +23,7 @@ from config import Config, Runtime
 from distributed import DIST, all_ranks_max, all_ranks_sum, clip_gradients, my_micro_batches, rank_shares
 from model import backward_through_prompt, shared_prompt_kv
 
+
 # ----------------------------------------------------------------------------------------------------------
 # Log-probabilities of trajectories, with the shared system prompt computed once.
 #
