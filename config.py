@@ -45,6 +45,7 @@ class Config:
     # trains on those the current policy is sometimes right on; built-in generator only, not stage 3 (its own scan)
     scan_problems: int = 0            # problems per cell in a scan (0: no scan, train on families x levels as given)
     scan_samples: int = 4             # rollouts per scanned problem, at the training temperature
+    scan_rounds: int = 1              # passes at most over a cell with no right answer yet (new problems each)
     scan_every: int = 0               # steps between scans (0: one scan, at the start of the stage)
     # rollouts (paper section 2.1, 3.2)
     groups_per_step: int = 4          # informative problems per step (paper: 512 prompts)
@@ -119,10 +120,12 @@ PRESETS = {
     # where the CPU has bf16 units. Measured (README, RESULTS.md): on an AVX2-only host (fp32) SFT 15 min, a step
     # (8 problems x 8 rollouts, then the update) 3.6-4.4 min, a difficulty scan 3.3-4 min: 51 min for the whole
     # command, at a peak of 6.3 GB (5.87 GiB).
-    # Problems: every step trains on the generator cells (family, level) in which the policy is sometimes right,
-    # found by a scan of all eleven families (2 problems x 4 rollouts each) at the start and every 3 steps. A
-    # group of all-wrong rollouts has zero advantage and teaches nothing: on all eleven families unscanned, 7 of
-    # 8 groups per step were dropped (RESULTS.md). The held-out set spans all eleven families.
+    # Problems: every step trains on the generator cells (family, level) the policy has been right on, found by a
+    # scan of all eleven families (2 problems x 4 rollouts each, a second pass where none was right) at the start;
+    # every 3 steps the cells not yet found are scanned again. A group of all-wrong rollouts has zero advantage
+    # and teaches nothing: on all eleven families unscanned, 7 of 8 groups per step were dropped (RESULTS.md).
+    # The held-out set spans all eleven families: 4 problems of each x 2 samples (one standard error of pass@1
+    # over all ~0.04; rstar2_mini.heldout_report).
     # engine_batch=64: all 64 rollouts of a step decode together (83 tok/s against 66 at 32 rows: a decode
     # step reads the weights once for twice the rows; docs/design.md, the CPU engine).
     # micro_batch_tokens=1024, logprob_chunk_tokens=256: the update's activations (~2 MB a token in fp32) and
@@ -132,8 +135,8 @@ PRESETS = {
                 engine_batch=64,
                 draw_problems=8, max_draw_rounds=1, lr=2e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=1024,
                 logprob_chunk_tokens=256,
-                eval_problems=22, eval_samples=2, hard_scan=32, sft_examples=304, levels=(1,),
-                scan_problems=2, scan_samples=4, scan_every=3),
+                eval_problems=44, eval_samples=2, hard_scan=32, sft_examples=304, levels=(1,),
+                scan_problems=2, scan_samples=4, scan_rounds=2, scan_every=3),
     # One 8-GPU node: the paper's numbers (Table/section 4); lengths per stage come from STAGES below.
     # hard_scan: the paper scans all 42K problems with 8 rollouts each (336K rollouts, ~20 of its steps' 16K) on
     # 64 GPUs. On one node at an assumed 2,500 generated tokens/s per engine (7 engines; not measured here, no

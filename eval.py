@@ -579,6 +579,8 @@ def summarize(problems, groups, ks=None) -> dict:
     out = {
         "problems": len(problems), "samples_per_problem": n,
         "pass@1": sum(t.reward for t in trajs) / len(trajs) if trajs else 0.0,  # average pass@1 (paper)
+        "pass@1_se": mean_and_se([sum(t.reward for t in g) / len(g) for g in groups if g])[1],
+        "pass@1_by_problem": [sum(t.reward for t in g) / len(g) if g else 0.0 for g in groups],
         "response_len": sum(t.num_response_tokens for t in trajs) / max(len(trajs), 1),
         "tool_calls_per_problem": calls / max(len(problems), 1),
         "tool_calls_per_traj": calls / max(len(trajs), 1),
@@ -602,6 +604,21 @@ def summarize(problems, groups, ks=None) -> dict:
             votes = [majority_vote([extract_answer(t.model_text) for t in g[:k]]) for g in groups]
             out[f"maj@{k}"] = sum(v is not None and is_equiv(v, p.answer) for v, p in zip(votes, problems)) / len(groups)
     return out
+
+
+def mean_and_se(values) -> tuple[float, float | None]:
+    """The mean of per-problem scores and its standard error, SE = s / sqrt(n) with s the sample standard
+    deviation (n - 1). Problems are the unit: the samples of one problem are not independent of each other, so
+    the noise of a pass@1 is counted over problems (None with fewer than two). Applied to the per-problem changes
+    d_i = after_i - before_i of one set, it is the paired standard error of a change."""
+    values = list(values)
+    n = len(values)
+    if n == 0:
+        return 0.0, None
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    return mean, (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5
 
 
 def pass_at_1_by_family(problems, groups) -> dict | None:
@@ -629,7 +646,8 @@ def evaluate(engines, pool, tokenizer, problems, n_samples: int, rollout_cfg, lo
 
 
 def markdown_table(name: str, s: dict) -> str:
-    keys = ["pass@1"] + [k for k in s if k.startswith(("pass@", "maj@")) and k != "pass@1"] + [
+    keys = ["pass@1", "pass@1_se"] + [k for k in s if k.startswith(("pass@", "maj@")) and k not in (
+        "pass@1", "pass@1_se", "pass@1_by_family", "pass@1_by_problem")] + [
         "response_len", "tool_calls_per_problem", "tool_error_rate", "valid_tool_call_share", "answer_format_share",
         "mixed_outcome_share", "distinct_programs_per_problem"]
     fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731

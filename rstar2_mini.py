@@ -62,9 +62,15 @@ def log(msg: str) -> None:
 
 def load_problem_source(cfg: Config, cells=None):
     """A function index -> tasks.Problem: the training stream the data cursor walks along. `cells`: only these
-    (family, level) pairs of the generator (a difficulty scan's choice)."""
+    (family, level) pairs of the generator (a difficulty scan's choice), dealt in turn: problem i comes from cell
+    i mod len(cells), so a step's draw of n problems holds every cell floor(n / len(cells)) times or once more. (A
+    uniform choice of cell per problem left some cell out of 8 problems drawn from 4 cells 38% of the time, from
+    6 cells 89%: inclusion-exclusion over the empty cells.)"""
     import tasks
 
+    if cfg.data is None and cells is not None:
+        cells = list(cells)
+        return lambda i: tasks.problem_at(i, seed=cfg.seed, split="train", cells=[cells[i % len(cells)]])
     if cfg.data is None:
         families = cfg.families or None
         return lambda i: tasks.problem_at(i, seed=cfg.seed, split="train", levels=cfg.levels, families=families,
@@ -215,10 +221,41 @@ def heldout_accuracy(rt: Runtime, cfg: Config, problems) -> dict:
     groups = generate_groups(rt, cfg, problems, cfg.eval_samples, seed=rollout_seed("heldout", 0),
                              temperature=cfg.eval_temperature, progress=False)
     s = grader.summarize(problems, groups, ks=())
-    return {"heldout_acc": s["pass@1"], "heldout_tool_error_rate": s["tool_error_rate"],
+    return {"heldout_acc": s["pass@1"], "heldout_acc_se": s["pass@1_se"],
+            "heldout_acc_by_problem": s["pass@1_by_problem"], "heldout_tool_error_rate": s["tool_error_rate"],
             "heldout_tool_error_rate_correct": s["tool_error_rate_correct"],
             "heldout_response_len": s["response_len"], "heldout_valid_tool_call": s["valid_tool_call_share"],
             "heldout_answer_format": s["answer_format_share"], "heldout_acc_by_family": s["pass@1_by_family"]}
+
+
+def heldout_report(stage: str, problems, before: dict, after: dict, trained: set, samples: int,
+                   temperature: float) -> list[str]:
+    """The run's last lines: held-out pass@1 before -> after RL over all families, the families trained on and
+    the others, and per family, each with its noise. before/after: heldout_accuracy's rows (per-problem pass@1
+    in heldout_acc_by_problem); the change's noise is the paired standard error over problems (eval.mean_and_se
+    of after_i - before_i), which leaves out how hard each problem is."""
+    import eval as grader
+
+    b, a = before["heldout_acc_by_problem"], after["heldout_acc_by_problem"]
+    families = sorted({p.family for p in problems})
+
+    def line(label, keep):
+        idx = [i for i, p in enumerate(problems) if keep(p)]
+        if not idx:
+            return None
+        (mb, sb), (ma, sa) = grader.mean_and_se(b[i] for i in idx), grader.mean_and_se(a[i] for i in idx)
+        md, sd = grader.mean_and_se(a[i] - b[i] for i in idx)
+        pm = lambda se: "" if se is None else f" ± {se:.3f}"  # noqa: E731
+        return f"  {label:<34} {mb:.3f}{pm(sb)} -> {ma:.3f}{pm(sa)}   change {md:+.3f}{pm(sd)}"
+
+    other = [f for f in families if f not in trained]
+    rows = [f"[stage {stage}] held-out pass@1 before -> after RL ({len(problems)} problems x {samples} samples at "
+            f"T = {temperature}; ± one standard error over problems; a change's is paired):",
+            line(f"all {len(families)} families", lambda p: True),
+            line(f"trained on ({len(families) - len(other)} families)", lambda p: p.family in trained),
+            line(f"the other {len(other)} families", lambda p: p.family not in trained)]
+    rows += [line(f"{f}{' (trained on)' if f in trained else ''}", lambda p, f=f: p.family == f) for f in families]
+    return [r for r in rows if r is not None]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -270,7 +307,9 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
         rt.model, optimizer = rt.accelerator.prepare(rt.model, optimizer)
     step, cursor = 0, 0
     rng = random.Random(cfg.seed)
-    scanning, cells, scan_step = problem_at is None, None, 0  # the cells of the latest scan and its step
+    # the cells right at a scan of this stage (choose_cells), those trained on (found, or every cell while none
+    # is), and the step of the latest scan
+    scanning, found, cells, scan_step = problem_at is None, [], None, 0
     if start is not None:
         if start.get("world", 1) != DIST.world:
             raise UsageError(f"the checkpoint was written by {start.get('world', 1)} process(es) and this run has "
@@ -284,6 +323,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
             set_rng_state(start["rng"])
             if scanning and start.get("cells") is not None:  # the data the stage was on, not a new scan
                 cells, scan_step = [tuple(c) for c in start["cells"]], start["scan_step"]
+                found = [tuple(c) for c in start.get("found", start["cells"])]
                 problem_at = load_problem_source(cfg, cells)
         elif stage == "2":  # stage 2 trains on the same data with a longer budget: continue the data cursor
             cursor = start.get("cursor", 0)
@@ -298,7 +338,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     if lead and step == 0 and cfg.eval_problems > 0:
         before = heldout_accuracy(rt, cfg, heldout)
         log(f"[stage {stage}] held-out accuracy before RL: {before['heldout_acc']:.3f} "
-            f"({cfg.eval_problems} problems x {cfg.eval_samples} samples)")
+            f"± {before['heldout_acc_se'] or 0:.3f} ({cfg.eval_problems} problems x {cfg.eval_samples} samples)")
         with metrics_path.open("a") as f:
             f.write(json.dumps({"step": 0, **before}) + "\n")
 
@@ -307,7 +347,8 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     last = {}
     while step < cfg.steps:
         if scanning and (cells is None or (cfg.scan_every > 0 and step - scan_step >= cfg.scan_every)):
-            cells, scan_step = on_rank0(choose_cells, rt, cfg, stage, step, run_dir), step  # its time: scan.jsonl
+            found = [tuple(c) for c in on_rank0(choose_cells, rt, cfg, stage, step, run_dir, found)]  # scan.jsonl
+            cells, scan_step = found or stage_cells(cfg), step
             problem_at = load_problem_source(cfg, cells)
         t0 = time.time()
         kept, stats, all_trajs = [], {}, []
@@ -334,6 +375,15 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
         if lead:
             last = log_step(rt, cfg, stage, run_dir, step, stats, update, kept, all_trajs, t0, t_roll, cursor,
                             heldout if final and cfg.eval_problems > 0 else None, bar)
+            at_start = first_row(metrics_path) if final and cfg.eval_problems > 0 else {}
+            if "heldout_acc_by_problem" in at_start:  # (a resumed run of an older version may lack step 0's)
+                trained = {f for f, _ in cells} if cells else set(cfg.families or tasks.FAMILIES)
+                for text in heldout_report(stage, heldout, at_start, last, trained, cfg.eval_samples,
+                                           cfg.eval_temperature):
+                    log(text)
+            elif final and cfg.eval_problems > 0:
+                log(f"[stage {stage}] held-out accuracy after step {step}: {last['heldout_acc']:.3f} "
+                    f"({cfg.eval_problems} problems x {cfg.eval_samples} samples)")
         if step % cfg.save_every == 0 or final:  # after the metrics line: a resume drops lines past its step
             barrier()  # while rank 0 evaluates, the others wait here (gloo), not inside full_state's NCCL gather
             weights, opt_state = full_state(rt.model, optimizer)
@@ -341,7 +391,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
                 state = {"step": step, "cursor": cursor, "stage": stage, "optimizer": opt_state,
                          "schedule": schedule.state_dict(), "rng": rng_state(), "roc_rng": rng.getstate(),
                          "world": DIST.world, "config": dataclasses.asdict(cfg), "cells": cells,
-                         "scan_step": scan_step, **(extra_state or {})}
+                         "scan_step": scan_step, "found": found, **(extra_state or {})}
                 save_checkpoint(run_dir, unwrapped(rt), rt.tokenizer, state, weights=weights)
                 plot_curves(metrics_path, run_dir / "curves.png")
             del weights, opt_state
@@ -396,10 +446,15 @@ def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, sta
         f" | mismatch kl {fmt(update.get('mismatch_k3'), '.1e')}"   # KL(sampler || trainer), rl_update
         f" | {dt:.1f}s | {row['peak_mem_gb']:.1f} GB"
         + (f" | WARNING sandbox isolation {row['sandbox_isolation']}" if row["sandbox_isolation"] == "none" else ""))
-    if heldout is not None:
-        log(f"[stage {stage}] held-out accuracy after step {step}: {row['heldout_acc']:.3f} "
-            f"({cfg.eval_problems} problems x {cfg.eval_samples} samples)")
     return row
+
+
+def first_row(path: Path) -> dict:
+    """The first JSON line of `path` (metrics.jsonl's step 0: the held-out evaluation before RL), or {}."""
+    if not path.exists():
+        return {}
+    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    return json.loads(rows[0]) if rows else {}
 
 
 def keep_lines_up_to(path: Path, step: int) -> None:
@@ -412,47 +467,70 @@ def keep_lines_up_to(path: Path, step: int) -> None:
 
 # ----------------------------------------------------------------------------------------------------------
 # Each stage's data by difficulty (paper section 4.3: stages move to harder data as the policy learns). A scan
-# samples every generator cell (family, level); the stage trains on the cells the current policy is sometimes
-# right on, where groups have mixed rewards and so an advantage. Rescanned every scan_every steps, the choice
-# grows with the policy: a family it learns to solve sometimes joins, one it always solves leaves.
+# samples generator cells (family, level); the stage trains on the cells the policy has been right on. Three
+# rules, each measured (docs/design.md, "Each stage's problems"):
+#   * a cell with no right answer after one pass is scanned again (scan_rounds): a family solved 1 time in 8 at
+#     T = 1 is missed by one pass of 8 rollouts 34% of the time ((7/8)^8), by two passes 12%;
+#   * a cell found right stays in the stage's mix, even when the scan found it always right: a family the SFT
+#     model solves is not left out while training on the others erases it; when it starts to fail, its groups
+#     turn mixed and the update restores it (all-equal groups cost rollouts, no update);
+#   * rescans (every scan_every steps) look only at the cells not yet found, for families the policy has
+#     learned to solve sometimes.
 
 
-def difficulty_scan(rt: Runtime, cfg: Config, step: int) -> dict:
-    """{(family, level): pass rate}: scan_problems fresh train problems per cell x scan_samples rollouts each, at
-    the training temperature (the sampler the stage's groups will come from)."""
+def stage_cells(cfg: Config) -> list:
+    """Every (family, level) cell of the stage: families x levels."""
     import tasks
 
-    cells = [(family, level) for family in (cfg.families or tasks.FAMILIES) for level in cfg.levels]
-    first = step * cfg.scan_problems  # every scan sees new problems of each cell
-    problems = [tasks.problem_at(first + i, seed=cfg.seed + 4099, split="train", cells=[cell])
-                for cell in cells for i in range(cfg.scan_problems)]
-    groups = generate_groups(rt, cfg, problems, cfg.scan_samples, seed=rollout_seed("scan", cfg.seed, step))
-    rewards = [[t.reward for group in groups[k * cfg.scan_problems:(k + 1) * cfg.scan_problems] for t in group]
-               for k in range(len(cells))]
-    return {cell: sum(r) / len(r) for cell, r in zip(cells, rewards)}
+    return [(family, level) for family in (cfg.families or tasks.FAMILIES) for level in cfg.levels]
 
 
-def sometimes_right(rates: dict) -> list:
-    """The cells with 0 < pass rate < 1. Where there is none: the cells it is ever right on, else all of them
-    (dynamic sampling then drops the all-equal groups; the log says so)."""
-    return ([c for c, r in rates.items() if 0 < r < 1] or [c for c, r in rates.items() if r > 0] or list(rates))
+def difficulty_scan(rt: Runtime, cfg: Config, step: int, cells=None) -> dict:
+    """{(family, level): (right, rollouts)} for `cells` (default: all of the stage's): scan_problems fresh train
+    problems per cell x scan_samples rollouts each, at the training temperature (the sampler the stage's groups
+    will come from); the cells with no right answer yet get another pass of new problems, scan_rounds passes in
+    all."""
+    import tasks
+
+    counts = {cell: (0, 0) for cell in (cells if cells is not None else stage_cells(cfg))}
+    todo = list(counts)
+    for pass_ in range(max(1, cfg.scan_rounds)):
+        if not todo:
+            break
+        first = (step * max(1, cfg.scan_rounds) + pass_) * cfg.scan_problems  # every pass sees new problems
+        problems = [tasks.problem_at(first + i, seed=cfg.seed + 4099, split="train", cells=[cell])
+                    for cell in todo for i in range(cfg.scan_problems)]
+        groups = generate_groups(rt, cfg, problems, cfg.scan_samples, seed=rollout_seed("scan", cfg.seed, step, pass_))
+        for k, cell in enumerate(todo):
+            rewards = [t.reward > 0 for group in groups[k * cfg.scan_problems:(k + 1) * cfg.scan_problems]
+                       for t in group]
+            right, n = counts[cell]
+            counts[cell] = (right + sum(rewards), n + len(rewards))
+        todo = [cell for cell in todo if counts[cell][0] == 0]
+    return counts
 
 
-def choose_cells(rt: Runtime, cfg: Config, stage: str, step: int, run_dir: Path) -> list:
-    """A difficulty scan, its choice, one log line and a line of run_dir/scan.jsonl."""
+def choose_cells(rt: Runtime, cfg: Config, stage: str, step: int, run_dir: Path, found: list) -> list:
+    """A difficulty scan of the cells not in `found` (those right at an earlier scan of the stage), one log line
+    and a line of run_dir/scan.jsonl. Returns `found` and the newly right cells, in the stage's cell order."""
     t0 = time.time()
-    rates = difficulty_scan(rt, cfg, step)
+    counts = difficulty_scan(rt, cfg, step, [c for c in stage_cells(cfg) if c not in found])
     seconds = time.time() - t0
-    cells = sometimes_right(rates)
-    mixed = sum(0 < r < 1 for r in rates.values())
-    name = {c: f"{c[0]}/L{c[1]}" for c in rates}
-    log(f"[stage {stage}] difficulty scan at step {step} ({cfg.scan_problems} x {cfg.scan_samples} per cell, "
-        f"{seconds:.0f} s): training on {', '.join(f'{name[c]} {rates[c]:.2f}' for c in cells)}"
-        + ("" if mixed else " (no cell is sometimes right: this is the fallback)"))
+    new = [c for c, (right, _) in counts.items() if right > 0]
+    found = [c for c in stage_cells(cfg) if c in found or c in new]
+    name = {c: f"{c[0]}/L{c[1]}" for c in stage_cells(cfg)}
+    rate = {c: f"{right}/{n}" for c, (right, n) in counts.items()}
+    log(f"[stage {stage}] difficulty scan at step {step} ({len(counts)} cells, {cfg.scan_problems} x "
+        f"{cfg.scan_samples} per pass, {seconds:.0f} s): "
+        + (f"right in {', '.join(f'{name[c]} {rate[c]}' for c in new)}" if new else "no new cell is ever right")
+        + (f"; training on {', '.join(name[c] for c in found)}" if found else
+           "; training on every cell (none has been right: dynamic sampling drops the all-wrong groups)"))
     with (run_dir / "scan.jsonl").open("a") as f:
-        f.write(json.dumps({"step": step, "rates": {name[c]: r for c, r in rates.items()},
-                            "cells": [name[c] for c in cells], "scan_time_s": round(seconds, 1)}) + "\n")
-    return cells
+        f.write(json.dumps({"step": step, "rates": {name[c]: right / n for c, (right, n) in counts.items()},
+                            "rollouts": {name[c]: n for c, (_, n) in counts.items()},
+                            "cells": [name[c] for c in (found or stage_cells(cfg))],
+                            "scan_time_s": round(seconds, 1)}) + "\n")
+    return found
 
 
 # ----------------------------------------------------------------------------------------------------------

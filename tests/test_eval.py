@@ -409,3 +409,22 @@ def test_hung_worker_is_killed_and_replaced(monkeypatch):
     assert is_equiv("w+w", "2w")                                               # a dead worker is restarted too
     grader.shutdown_graders()
     grader.forget_workers_after_fork()
+
+
+def test_pass_at_1_has_the_standard_error_of_its_problems():
+    """summarize's pass@1_se is the sample standard deviation of the per-problem pass@1 over sqrt(problems)
+    (statistics.stdev as the oracle), not of the samples: two samples of one problem are not independent."""
+    import statistics
+
+    import scheduler
+    import tasks
+
+    rewards = [[1, 1], [1, 0], [0, 0], [0, 0], [1, 1]]
+    problems = [tasks.Problem(f"p{i}", "q", "1") for i in range(len(rewards))]
+    groups = [[scheduler.Trajectory(p.id, [1], [scheduler.Segment([2], 1)], reward=float(r)) for r in rs]
+              for p, rs in zip(problems, rewards)]
+    s = grader.summarize(problems, groups, ks=())
+    per_problem = [sum(rs) / 2 for rs in rewards]
+    assert s["pass@1_by_problem"] == per_problem and s["pass@1"] == 0.5
+    assert s["pass@1_se"] == pytest.approx(statistics.stdev(per_problem) / math.sqrt(5))
+    assert grader.mean_and_se([0.3]) == (0.3, None) and grader.mean_and_se([]) == (0.0, None)

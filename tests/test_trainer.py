@@ -319,7 +319,7 @@ def scan_world(monkeypatch):
     trained = []
 
     def fake_groups(rt, cfg, problems, n, seed, **kw):
-        step = {R.rollout_seed("scan", cfg.seed, s): s for s in range(cfg.steps)}.get(seed)  # scans only: a step
+        step = {R.rollout_seed("scan", cfg.seed, s, r): s for s in range(cfg.steps) for r in range(2)}.get(seed)
         groups = []
         for p in problems:
             if n == cfg.scan_samples:
@@ -334,19 +334,88 @@ def scan_world(monkeypatch):
     return trained
 
 
-def test_sometimes_right_keeps_the_cells_with_mixed_outcomes():
-    """The rule written out: 0 < pass rate < 1; else the cells ever right; else every cell."""
-    rates = {("a", 1): 0.0, ("b", 1): 0.25, ("c", 1): 1.0, ("d", 2): 0.5}
-    assert R.sometimes_right(rates) == [("b", 1), ("d", 2)]
-    assert R.sometimes_right({("a", 1): 0.0, ("c", 1): 1.0}) == [("c", 1)]
-    assert R.sometimes_right({("a", 1): 0.0, ("b", 1): 0.0}) == [("a", 1), ("b", 1)]
+def test_a_scan_passes_again_over_the_cells_no_rollout_was_right_on(tmp_path, monkeypatch):
+    """scan_rounds = 2: the cells with no right rollout in the first pass (2 problems x 4) get a second pass of
+    new problems, the others are not sampled again; counts are (right, rollouts) as counted by hand. The choice
+    keeps every cell ever right (product is right 8/8 and stays), and a rescan samples only the cells not found."""
+    calls = []
+
+    def fake_groups(rt, cfg, problems, n, seed, **kw):
+        second = seed in {R.rollout_seed("scan", cfg.seed, s, 1) for s in range(4)}
+        calls.append([p.id for p in problems])
+        right = {"product": [1] * n, "gcd_lcm": [1] + [0] * (n - 1) if second else [0] * n}
+        return [[scheduler.Trajectory(p.id, [1], [scheduler.Segment([2], 1)], reward=float(x))
+                 for x in right.get(p.family, [0] * n)] for p in problems]
+
+    monkeypatch.setattr(R, "generate_groups", fake_groups)
+    cfg = R.Config(scan_problems=2, scan_samples=4, scan_rounds=2, levels=(1,))
+    counts = R.difficulty_scan(None, cfg, 0)
+    assert len(counts) == 11 and counts[("product", 1)] == (8, 8)
+    assert counts[("gcd_lcm", 1)] == (2, 16)                  # one right rollout of each second-pass problem
+    assert all(v == (0, 16) for c, v in counts.items() if c[0] not in ("product", "gcd_lcm"))
+    assert [len(c) for c in calls] == [22, 20]                # pass 2: every cell but product, 2 problems each
+    assert not set(calls[0]) & set(calls[1])                  # new problems
+
+    calls.clear()
+    found = R.choose_cells(None, cfg, "1", 0, tmp_path, [])
+    assert found == [("product", 1), ("gcd_lcm", 1)]
+    calls.clear()
+    found = R.choose_cells(None, cfg, "1", 3, tmp_path, found)  # a rescan: the other 9 cells only
+    assert found == [("product", 1), ("gcd_lcm", 1)] and [len(c) for c in calls] == [18, 18]
+    scans = [json.loads(x) for x in (tmp_path / "scan.jsonl").read_text().splitlines()]
+    assert scans[0]["rates"]["gcd_lcm/L1"] == 2 / 16 and scans[0]["rollouts"]["product/L1"] == 8
+    assert len(scans[1]["rates"]) == 9 and scans[1]["cells"] == ["product/L1", "gcd_lcm/L1"]
+    # nothing ever right: the stage trains on every cell (and says so), and the next scan looks at all of them
+    monkeypatch.setattr(R, "generate_groups", lambda rt, cfg, problems, n, seed, **kw: [
+        [scheduler.Trajectory(p.id, [1], [scheduler.Segment([2], 1)], reward=0.0)] * n for p in problems])
+    assert R.choose_cells(None, cfg, "1", 0, tmp_path, []) == []
+    assert len(json.loads((tmp_path / "scan.jsonl").read_text().splitlines()[-1])["cells"]) == 11
+
+
+def test_a_steps_draw_deals_the_chosen_cells_in_turn():
+    """Problem i of a scan's choice comes from cell i mod k: 9 draws over 3 cells hold each 3 times, in turn,
+    from the train split, and the stream never repeats a problem index."""
+    import tasks
+
+    cells = [("product", 1), ("gcd_lcm", 1), ("binomial", 1)]
+    source = R.load_problem_source(R.Config(seed=3, levels=(1,)), cells)
+    drawn = [source(i) for i in range(9)]
+    assert [p.family for p in drawn] == ["product", "gcd_lcm", "binomial"] * 3
+    assert all(p.level == 1 for p in drawn)
+    assert all(p == tasks.problem_at(i, seed=3, split="train", cells=[cells[i % 3]]) for i, p in enumerate(drawn))
+    heldout = {p.question for p in tasks.heldout_problems(33, levels=(1,))}
+    assert not heldout & {source(i).question for i in range(300)}
+
+
+def test_the_heldout_report_gives_each_change_its_paired_standard_error():
+    """The run's last lines, checked against statistics.stdev: per-problem pass@1 before and after, the change's
+    noise the standard error of the per-problem differences; trained and other families split."""
+    import statistics
+
+    import tasks
+
+    problems = [tasks.Problem(f"p{i}", "q", "1", family=f) for i, f in enumerate(["a", "a", "b", "b"])]
+    before, after = [0.5, 0.0, 1.0, 0.5], [1.0, 0.5, 0.5, 0.5]
+    lines = R.heldout_report("1", problems, {"heldout_acc_by_problem": before}, {"heldout_acc_by_problem": after},
+                             {"a"}, 2, 0.6)
+
+    def se(xs):
+        return statistics.stdev(xs) / len(xs) ** 0.5
+
+    d = [y - x for x, y in zip(before, after)]
+    assert "4 problems x 2 samples at T = 0.6" in lines[0]
+    assert lines[1].split() == ["all", "2", "families", "0.500", "±", f"{se(before):.3f}", "->", "0.625", "±",
+                                f"{se(after):.3f}", "change", "+0.125", "±", f"{se(d):.3f}"]
+    assert lines[2].split()[:4] == ["trained", "on", "(1", "families)"] and "change +0.500 ± 0.000" in lines[2]
+    assert lines[3].split()[:4] == ["the", "other", "1", "families"] and "0.750" in lines[3] and "-0.250" in lines[3]
+    assert lines[4].split()[:3] == ["a", "(trained", "on)"] and lines[5].split()[0] == "b"
 
 
 def test_difficulty_scans_choose_the_cells_rescan_and_resume_without_a_new_scan(tmp_path, tokenizer, monkeypatch):
-    """A stage without problem_at scans all eleven families at step 0 and every scan_every steps, trains only on
-    the sometimes-right cells (counted here from the fake sampler's rates), and a run resumed between two scans
-    takes its cells from the checkpoint: it trains on the same problems as the uninterrupted run and logs the
-    same scans."""
+    """A stage without problem_at scans all eleven families at step 0, trains on the cells ever right (counted
+    here from the fake sampler's rates: modular_power's 4/4 too), dealt in turn; every scan_every steps it scans
+    the cells not yet found, and a run resumed between two scans takes its cells from the checkpoint: it trains
+    on the same problems as the uninterrupted run and logs the same scans."""
     import asyncio
 
     trained = scan_world(monkeypatch)
@@ -368,12 +437,14 @@ def test_difficulty_scans_choose_the_cells_rescan_and_resume_without_a_new_scan(
     scans = run(a)
     assert [s["step"] for s in scans] == [0, 2]
     assert len(scans[0]["rates"]) == 11 and scans[0]["rates"]["product/L1"] == 0.25
-    assert scans[0]["cells"] == ["product/L1", "gcd_lcm/L1"]             # 0 < rate < 1; modular_power is 1.0
-    assert scans[1]["cells"] == ["product/L1", "binomial/L1", "gcd_lcm/L1"]  # binomial joined
-    families = [p.family for p in trained]
-    assert len(families) == 8 and set(families[:4]) <= {"product", "gcd_lcm"} and "binomial" in families[4:]
+    assert scans[0]["cells"] == ["product/L1", "modular_power/L1", "gcd_lcm/L1"]   # ever right
+    assert len(scans[1]["rates"]) == 8 and "product/L1" not in scans[1]["rates"]    # the cells not yet found
+    assert scans[1]["cells"] == ["product/L1", "modular_power/L1", "binomial/L1", "gcd_lcm/L1"]  # binomial joined
+    families = [p.family for p in trained]   # 2 problems a step, cell i mod k of the cursor i
+    assert families == ["product", "modular_power", "gcd_lcm", "product",
+                        "product", "modular_power", "binomial", "gcd_lcm"]
     rows = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
-    assert [r["cells_trained"] for r in rows] == [2, 2, 3, 3]
+    assert [r["cells_trained"] for r in rows] == [3, 3, 4, 4]
     ids_a = [p.id for p in trained]
 
     b = tmp_path / "b"
@@ -381,7 +452,7 @@ def test_difficulty_scans_choose_the_cells_rescan_and_resume_without_a_new_scan(
     trained.clear()
     run(b, steps=3)
     state = torch.load(R.latest_checkpoint(b) / "trainer_state.pt", weights_only=False)
-    assert state["step"] == 3 and state["scan_step"] == 2 and len(state["cells"]) == 3
+    assert state["step"] == 3 and state["scan_step"] == 2 and len(state["cells"]) == len(state["found"]) == 4
     scans_b = run(b, start=state, steps=4)
     assert len(scans_b) == 2 and all(dict(s, scan_time_s=0) == dict(t, scan_time_s=0) for s, t in zip(scans, scans_b))
     assert [p.id for p in trained] == ids_a      # steps 1-3, then step 4 after the resume: the same problems
