@@ -383,6 +383,8 @@ def test_pool_works_from_a_background_event_loop_thread(pool):
 
 
 def test_a_dead_worker_is_replaced(pool):
+    # the workers boot in the background: on a busy host none may be up yet, and then nothing would be killed
+    assert wait_until(lambda: pool.worker_pids())
     for pid in pool.worker_pids():
         os.kill(pid, 9)
     results = [run(pool, "print('alive')") for _ in range(6)]
