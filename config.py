@@ -42,7 +42,7 @@ class Config:
     levels: tuple[int, ...] = (1, 2)  # generator difficulty levels
     families: tuple[str, ...] = ()    # generator problem families (tasks.FAMILIES; empty: all of them)
     # data by difficulty (paper section 4.3): a stage scans every (family, level) cell of families x levels and
-    # trains on those the current policy is sometimes right on; built-in generator only, not stage 3 (its own scan)
+    # trains on those the policy has been right on; built-in generator only, not stage 3 (its own scan)
     scan_problems: int = 0            # problems per cell in a scan (0: no scan, train on families x levels as given)
     scan_samples: int = 4             # rollouts per scanned problem, at the training temperature
     scan_rounds: int = 1              # passes at most over a cell with no right answer yet (new problems each)
@@ -118,8 +118,8 @@ class Config:
 PRESETS = {
     # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 fit in about an hour
     # where the CPU has bf16 units. Measured (README, RESULTS.md): on an AVX2-only host (fp32) SFT 15 min, a step
-    # (8 problems x 8 rollouts, then the update) 3.6-4.4 min, a difficulty scan 3.3-4 min: 51 min for the whole
-    # command, at a peak of 6.3 GB (5.87 GiB).
+    # (8 problems x 8 rollouts, then the update) 3.4-4.7 min, the scans 7.3-8 and 6 min, a held-out evaluation
+    # 5.5 min: about 63 min for the whole command, at a peak of 6.1 GB.
     # Problems: every step trains on the generator cells (family, level) the policy has been right on, found by a
     # scan of all eleven families (2 problems x 4 rollouts each, a second pass where none was right) at the start;
     # every 3 steps the cells not yet found are scanned again. A group of all-wrong rollouts has zero advantage

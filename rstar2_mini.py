@@ -1,6 +1,6 @@
 """rstar2_mini.py - the rStar2-Agent training recipe in one readable loop (arXiv 2508.20722, section 4).
 
-    python rstar2_mini.py --stage 1                 # laptop CPU: SFT if missing, then RL stage 1 (~75 min, 2 cores)
+    python rstar2_mini.py --stage 1                 # laptop CPU: SFT if missing, then RL stage 1 (~63 min, 2 cores)
     python rstar2_mini.py --stage all               # sft -> 1 (8K) -> 2 (12K) -> 3 (hard problems)
     torchrun --nproc-per-node 8 rstar2_mini.py --stage all --preset paper --model M   # one 8-GPU node (README)
 
@@ -785,7 +785,7 @@ def parse_args(argv=None) -> Config:
         epilog="stages:\n"
                "  sft  non-reasoning SFT: tool-call JSON format and answer format only (paper 4.1)\n"
                "  1    RL stage 1: max length 8K, 10 turns (CPU preset: 512 tokens, 4 turns) on the families a\n"
-               "       difficulty scan finds sometimes right; runs SFT first when the run has no SFT checkpoint\n"
+               "       difficulty scan has found right; runs SFT first when the run has no SFT checkpoint\n"
                "  2    RL stage 2: max length 12K, from stage 1's final checkpoint\n"
                "  3    RL stage 3: 12K, 15 turns, on the problems the policy does not solve 8/8; optimizer reset\n"
                "  all  sft, 1, 2 and 3 in order\n")

@@ -518,7 +518,7 @@ def problem_at(index: int, seed: int, split: str = "train", levels: Sequence[int
                families: Sequence[str] | None = None, cells: Sequence[tuple[str, int]] | None = None) -> Problem:
     """The index-th problem of the (seed, split, levels, families) stream; the same arguments, the same problem.
     `cells` [(family, level), ...] replaces families x levels by just those pairs (a stage's difficulty scan
-    chooses them: rstar2_mini.sometimes_right)."""
+    chooses them: rstar2_mini.choose_cells)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     names = checked_families(levels, families)
