@@ -1,6 +1,6 @@
 """rstar2_mini.py - the rStar2-Agent training recipe in one readable loop (arXiv 2508.20722, section 4).
 
-    python rstar2_mini.py --stage 1                 # laptop CPU: SFT if missing, then RL stage 1 (~63 min, 2 cores)
+    python rstar2_mini.py --stage 1                 # laptop CPU: SFT if missing, then RL stage 1 (~1 h, 2 cores)
     python rstar2_mini.py --stage all               # sft -> 1 (8K) -> 2 (12K) -> 3 (hard problems)
     torchrun --nproc-per-node 8 rstar2_mini.py --stage all --preset paper --model M   # one 8-GPU node (README)
 
