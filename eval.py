@@ -576,11 +576,12 @@ def summarize(problems, groups, ks=None) -> dict:
     calls = sum(t.tool_calls for t in trajs)
     correct = [t for t in trajs if t.reward > 0]
     correct_calls = sum(t.tool_calls for t in correct)
+    by_problem = [sum(t.reward for t in g) / len(g) if g else 0.0 for g in groups]
     out = {
         "problems": len(problems), "samples_per_problem": n,
         "pass@1": sum(t.reward for t in trajs) / len(trajs) if trajs else 0.0,  # average pass@1 (paper)
-        "pass@1_se": mean_and_se([sum(t.reward for t in g) / len(g) for g in groups if g])[1],
-        "pass@1_by_problem": [sum(t.reward for t in g) / len(g) if g else 0.0 for g in groups],
+        "pass@1_se": mean_and_se(x for x, g in zip(by_problem, groups) if g)[1],
+        "pass@1_by_problem": by_problem,
         "response_len": sum(t.num_response_tokens for t in trajs) / max(len(trajs), 1),
         "tool_calls_per_problem": calls / max(len(problems), 1),
         "tool_calls_per_traj": calls / max(len(trajs), 1),

@@ -493,11 +493,11 @@ def difficulty_scan(rt: Runtime, cfg: Config, step: int, cells=None) -> dict:
     import tasks
 
     counts = {cell: (0, 0) for cell in (cells if cells is not None else stage_cells(cfg))}
-    todo = list(counts)
-    for pass_ in range(max(1, cfg.scan_rounds)):
+    todo, rounds = list(counts), max(1, cfg.scan_rounds)
+    for pass_ in range(rounds):
         if not todo:
             break
-        first = (step * max(1, cfg.scan_rounds) + pass_) * cfg.scan_problems  # every pass sees new problems
+        first = (step * rounds + pass_) * cfg.scan_problems  # every pass sees new problems
         problems = [tasks.problem_at(first + i, seed=cfg.seed + 4099, split="train", cells=[cell])
                     for cell in todo for i in range(cfg.scan_problems)]
         groups = generate_groups(rt, cfg, problems, cfg.scan_samples, seed=rollout_seed("scan", cfg.seed, step, pass_))
@@ -513,12 +513,13 @@ def difficulty_scan(rt: Runtime, cfg: Config, step: int, cells=None) -> dict:
 def choose_cells(rt: Runtime, cfg: Config, stage: str, step: int, run_dir: Path, found: list) -> list:
     """A difficulty scan of the cells not in `found` (those right at an earlier scan of the stage), one log line
     and a line of run_dir/scan.jsonl. Returns `found` and the newly right cells, in the stage's cell order."""
+    every = stage_cells(cfg)
     t0 = time.time()
-    counts = difficulty_scan(rt, cfg, step, [c for c in stage_cells(cfg) if c not in found])
+    counts = difficulty_scan(rt, cfg, step, [c for c in every if c not in found])
     seconds = time.time() - t0
     new = [c for c, (right, _) in counts.items() if right > 0]
-    found = [c for c in stage_cells(cfg) if c in found or c in new]
-    name = {c: f"{c[0]}/L{c[1]}" for c in stage_cells(cfg)}
+    found = [c for c in every if c in found or c in new]
+    name = {c: f"{c[0]}/L{c[1]}" for c in every}
     rate = {c: f"{right}/{n}" for c, (right, n) in counts.items()}
     log(f"[stage {stage}] difficulty scan at step {step} ({len(counts)} cells, {cfg.scan_problems} x "
         f"{cfg.scan_samples} per pass, {seconds:.0f} s): "
@@ -528,7 +529,7 @@ def choose_cells(rt: Runtime, cfg: Config, stage: str, step: int, run_dir: Path,
     with (run_dir / "scan.jsonl").open("a") as f:
         f.write(json.dumps({"step": step, "rates": {name[c]: right / n for c, (right, n) in counts.items()},
                             "rollouts": {name[c]: n for c, (_, n) in counts.items()},
-                            "cells": [name[c] for c in (found or stage_cells(cfg))],
+                            "cells": [name[c] for c in (found or every)],
                             "scan_time_s": round(seconds, 1)}) + "\n")
     return found
 
