@@ -927,14 +927,31 @@ def main(argv=None) -> int:
         if isinstance(e, (models.ModelUnavailable, models.NoUsableGPU, tasks.DataError, sandbox.SandboxUnavailable)):
             print(f"error: {e}", file=sys.stderr)
             return 2
+        if caused_by_ctrl_c(e):
+            return interrupted(argv)
         raise
-    except KeyboardInterrupt:  # checkpoints are written atomically: the latest one is whole
-        args = list(sys.argv[1:] if argv is None else argv)
-        # under torchrun the same number of ranks must resume (the checkpoint records it): say so in the command
-        launcher = ["torchrun", "--nproc-per-node", str(DIST.world)] if DIST.world > 1 else ["python"]
-        again = shlex.join([*launcher, "rstar2_mini.py", *args, *([] if "--resume" in args else ["--resume"])])
-        print(f"interrupted: the latest checkpoint is intact; continue with:\n  {again}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:
+        return interrupted(argv)
+
+
+def caused_by_ctrl_c(e: BaseException) -> bool:
+    """Ctrl-C can surface wrapped in another exception: Python turns one raised inside a descriptor's
+    __set_name__ (a first `import matplotlib.pyplot` runs hundreds) into a RuntimeError caused by it."""
+    while e is not None:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def interrupted(argv) -> int:
+    """Checkpoints are written atomically, so the latest one is whole: say so, and the command that continues."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    # under torchrun the same number of ranks must resume (the checkpoint records it): say so in the command
+    launcher = ["torchrun", "--nproc-per-node", str(DIST.world)] if DIST.world > 1 else ["python"]
+    again = shlex.join([*launcher, "rstar2_mini.py", *args, *([] if "--resume" in args else ["--resume"])])
+    print(f"interrupted: the latest checkpoint is intact; continue with:\n  {again}", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

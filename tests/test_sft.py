@@ -530,6 +530,31 @@ def test_ctrl_c_in_the_recipes_sft_then_a_plain_rerun_continues_it(tmp_path, tin
     models.load_model(tmp_path / "run" / "sft" / "model")
 
 
+def test_ctrl_c_that_lands_inside_an_import_is_still_an_interruption(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """Python wraps an exception raised in a descriptor's __set_name__ (matplotlib.pyplot's first import runs many)
+    in a RuntimeError: Ctrl-C there must still end the run as an interruption (exit 130, the command that
+    continues it), not as a crash with a traceback."""
+    import rstar2_mini as R
+
+    class Wrapper:
+        def __set_name__(self, owner, name):
+            raise KeyboardInterrupt   # the signal arriving while a class body is being set up
+
+    def interrupted(*args, **kw):
+        class Axes:            # noqa: F841  (what `import matplotlib.pyplot` does hundreds of times)
+            method = Wrapper()
+
+    monkeypatch.setattr(sft, "accumulate_gradients", interrupted)
+    with pytest.raises(RuntimeError) as wrapped:   # the interpreter's behaviour this test relies on
+        interrupted()
+    assert isinstance(wrapped.value.__cause__, KeyboardInterrupt)
+    args = ["--stage", "sft", "--model", str(tiny_model_dir), "--out", str(tmp_path / "run"),
+            "--set", "sft_examples=4", "--set", "sft_batch=2"]
+    assert R.main(args) == 130
+    err = capsys.readouterr().err
+    assert "interrupted: the latest checkpoint is intact" in err and "--resume" in err, err
+
+
 @pytest.mark.parametrize("entry", ["rstar2_mini", "sft"])
 def test_openmp_threads_wait_passively_in_the_entry_points(entry):
     """Importing an entry point sets OMP_WAIT_POLICY=PASSIVE before anything loads torch (whose OpenMP runtime
