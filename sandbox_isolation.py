@@ -9,7 +9,8 @@ it. Data flows one way, all of it in the worker's own processes:
                                      build_sandbox_root(): a tmpfs with read-only binds of the interpreter and the
                                      system libraries, then a new PID namespace    -> iso, a dict of what is in place
     Z  enter_sandbox_root()          PID 1 of that namespace: /proc, pivot_root onto the tmpfs, remount read-only;
-       remap_interpreter(...)        interpreter paths under /tmp now point at their binds under TMP_STASH;
+       remap_interpreter(...)        interpreter paths under /tmp now point at their binds under TMP_STASH
+                                     (a link there: at its target);
        limit_pid_namespace(n)        pid_max of the namespace bounds a call's processes (Linux 6.14+)
     C  set_limits(config, iso)       rlimits and oom_score_adj 1000, set while still privileged;
        drop_privileges(uid, kind)    a uid of the worker's own (as root), or no capabilities (user namespace)
@@ -30,7 +31,6 @@ import resource
 import signal
 import socket
 import sys
-from typing import Sequence
 
 ISOLATION_MODES = ("auto", "none", "userns")
 
@@ -121,6 +121,7 @@ def paths_the_interpreter_needs() -> list[str]:
     paths += [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix]
     paths += [os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable))]
     paths += [p for p in sys.path if p and os.path.isdir(p)]
+    paths += [os.path.realpath(p) for p in paths]  # a link's target too (a .venv linked into a checkout)
     chosen: list[str] = []
     for path in sorted({os.path.normpath(p) for p in paths if os.path.lexists(p)}, key=len):
         if not any(path == c or path.startswith(c + "/") for c in chosen):  # already inside a chosen tree
@@ -128,25 +129,31 @@ def paths_the_interpreter_needs() -> list[str]:
     return chosen
 
 
-def interpreter_paths_in_tmp() -> list[str]:
-    """Interpreter paths under /tmp (a clone or virtual environment there). Each call's /tmp is a fresh, empty
-    tmpfs, and binding them into it would show them in the call's working directory: they are bound under
-    TMP_STASH instead, and the worker's Python looks for them there (remap_interpreter)."""
-    return [p for p in paths_the_interpreter_needs() if p.startswith("/tmp/") and not os.path.islink(p)]
+def interpreter_paths_in_tmp() -> dict[str, str]:
+    """Interpreter paths under /tmp (a clone or virtual environment there), each with where the sandbox shows it.
+    Each call's /tmp is a fresh, empty tmpfs, and binding them into it would show them in the call's working
+    directory: a directory is bound under TMP_STASH instead; a link is followed to its target (bound by
+    paths_the_interpreter_needs where it really is); the worker's Python looks for them there (remap_interpreter)."""
+    def seen_at(path):
+        return TMP_STASH + path if path.startswith("/tmp/") else path
+
+    return {p: seen_at(os.path.realpath(p) if os.path.islink(p) else p)
+            for p in paths_the_interpreter_needs() if p.startswith("/tmp/")}
 
 
-def remap_interpreter(in_tmp: Sequence[str]) -> None:
+def remap_interpreter(in_tmp: dict[str, str]) -> None:
     """Z, after the pivot: every path of the interpreter under /tmp (sys.path, the prefixes, sys.executable, the
-    search paths and files of modules already imported) now points at its bind under TMP_STASH, before the
-    preloads are imported. A subprocess of sys.executable finds its pyvenv.cfg there too; what it cannot follow is
-    a .pth file or a pyvenv.cfg `home` that names a /tmp path, which stays hidden behind the call's /tmp."""
+    search paths and files of modules already imported) now points where the sandbox shows it (its bind under
+    TMP_STASH, or a link's target), before the preloads are imported. A subprocess of sys.executable finds its
+    pyvenv.cfg there too; what it cannot follow is a .pth file or a pyvenv.cfg `home` that names a /tmp path,
+    which stays hidden behind the call's /tmp."""
     prefixes = sorted(in_tmp, key=len, reverse=True)
 
     def moved(path):
         if isinstance(path, str):
             for prefix in prefixes:
                 if path == prefix or path.startswith(prefix + "/"):
-                    return TMP_STASH + path
+                    return in_tmp[prefix] + path[len(prefix):]
         return path
 
     sys.path[:] = [moved(p) for p in sys.path]
@@ -200,8 +207,9 @@ def build_sandbox_root() -> list[str]:
         else:
             bind_readonly(os.path.realpath(path), target)
     in_tmp = interpreter_paths_in_tmp()
-    for path in in_tmp:
-        bind_readonly(os.path.realpath(path), NEW_ROOT + TMP_STASH + path)
+    for path, seen in in_tmp.items():
+        if seen == TMP_STASH + path:
+            bind_readonly(os.path.realpath(path), NEW_ROOT + seen)
     os.makedirs(NEW_ROOT + "/dev", exist_ok=True)
     for name in DEVICES:  # device nodes are bind mounts of the host's (creating nodes needs real root)
         open(f"{NEW_ROOT}/dev/{name}", "a").close()

@@ -591,7 +591,7 @@ def worker_main(config: dict) -> None:
         prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of a call come back to us, to be killed
     if iso["filesystem"]:
         enter_sandbox_root()
-        remap_interpreter(iso.get("interpreter_in_tmp", ()))
+        remap_interpreter(iso.get("interpreter_in_tmp", {}))
     iso["pid_max"] = limit_pid_namespace(config["max_processes"]) if iso["pid_namespace"] else None
     iso["missing"] = missing_isolation(iso)
     iso["limits"] = call_limits(config, iso)

@@ -305,6 +305,30 @@ def test_an_interpreter_under_tmp_stays_usable_and_out_of_sight_of_each_calls_pr
     assert (site / "probe_under_tmp.py").read_text() == "X = 41 + 1\n"
 
 
+def test_an_interpreter_reached_through_a_link_under_tmp_imports_its_preloads(tmp_path):
+    # a checkout copied under /tmp whose .venv is a link to the real environment elsewhere: the sandbox must bind
+    # the link's target (every call's /tmp hides the link itself), not start without numpy and sympy
+    import subprocess
+
+    if not str(tmp_path).startswith("/tmp/") or sys.prefix.startswith("/tmp/"):
+        pytest.skip("needs a temporary directory under /tmp and an environment outside it")
+    (tmp_path / ".venv").symlink_to(sys.prefix)
+    script = ("import asyncio, warnings, sandbox\n"
+              "warnings.simplefilter('error', RuntimeWarning)  # a failed preload warns: fail instead\n"
+              "async def main():\n"
+              "    async with sandbox.SandboxPool(workers=1) as pool:\n"
+              "        r = await pool.run('import sympy, sys; print(sympy.Integer(6) * 7, sys.prefix)')\n"
+              "        print(r.status, r.stdout.strip(), r.stderr.strip()[-300:])\n"
+              "asyncio.run(main())\n")
+    python = tmp_path / ".venv" / "bin" / os.path.basename(sys.executable)
+    out = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(sandbox.__file__))
+    assert out.returncode == 0, out.stdout + out.stderr
+    status, answer, prefix = out.stdout.split()[:3]
+    assert (status, answer) == ("ok", "42"), out.stdout
+    assert prefix == os.path.realpath(sys.prefix), out.stdout   # the environment seen where it really is
+
+
 def test_notebook_style_final_expression_and_stdin(pool):
     assert run(pool, "x = 2\nx ** 10").stdout == "1024\n"
     assert run(pool, "print('only once')").stdout == "only once\n"
