@@ -189,9 +189,9 @@ def bind_readonly(source: str, target: str) -> None:
     mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | mount_flags_to_keep(target))
 
 
-def build_sandbox_root() -> list[str]:
+def build_sandbox_root() -> dict[str, str]:
     """A tmpfs that will become '/': read-only binds of the interpreter and system libraries, a few devices.
-    Returns the interpreter paths under /tmp, bound under TMP_STASH (see remap_interpreter).
+    Returns the interpreter paths under /tmp and where the sandbox shows each (see remap_interpreter).
 
     The interpreter may live where the sandbox uid cannot enter (here /root/.pyenv, and /root is 0700): the
     directories leading to the bind mounts are created 0755 on our tmpfs, so the host's permissions are untouched
