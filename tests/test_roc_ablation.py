@@ -6,6 +6,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,12 +35,14 @@ class FakeRuns:
     line per step); the plotting command does nothing. fail_at: the call number (1-based) that exits with 1."""
 
     def __init__(self, fail_at=None):
-        self.calls, self.fail_at = [], fail_at
+        self.calls, self.envs, self.outputs, self.fail_at = [], [], [], fail_at
 
-    def __call__(self, cmd, check=False):
+    def __call__(self, cmd, check=False, env=None, stdout=None, stderr=None):
         if cmd[1].endswith("results.py"):
             return subprocess.CompletedProcess(cmd, 0)
         self.calls.append(cmd)
+        self.envs.append(env)
+        self.outputs.append(getattr(stdout, "name", None))
         if len(self.calls) == self.fail_at:
             return subprocess.CompletedProcess(cmd, 1)
         run, target = Path(option(cmd, "--out")) / "stage1", int(option(cmd, "--steps"))
@@ -99,6 +102,43 @@ def test_a_stopped_ablation_resumes_where_it_stopped(monkeypatch, tmp_path, caps
     for run in ("roc-s0", "none-s0", "roc-s1", "none-s1"):
         steps = [json.loads(x)["step"] for x in (tmp_path / "abl" / run / "stage1" / "metrics.jsonl").open()]
         assert steps == [1, 2, 3, 4, 5], run       # each step once: no chunk ran twice
+
+
+class TogetherRuns(FakeRuns):
+    """FakeRuns whose calls must run two at a time: each waits at a barrier for a second call in flight (a run
+    started alone times out there). It records which chunk every call belongs to when it starts and ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.barrier, self.events, self.lock = threading.Barrier(2, timeout=20), [], threading.Lock()
+
+    def __call__(self, cmd, check=False, env=None, stdout=None, stderr=None):
+        if cmd[1].endswith("results.py"):
+            return subprocess.CompletedProcess(cmd, 0)
+        with self.lock:
+            self.events.append(("start", int(option(cmd, "--steps"))))
+        self.barrier.wait()
+        with self.lock:
+            done = super().__call__(cmd, check, env, stdout, stderr)
+            self.events.append(("end", int(option(cmd, "--steps"))))
+        return done
+
+
+def test_jobs_run_a_chunks_runs_together_on_a_share_of_the_cores(monkeypatch, tmp_path, capsys):
+    module, fake = load_ablation(), TogetherRuns()
+    monkeypatch.setattr(module.os, "cpu_count", lambda: 4)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert run_ablation(module, monkeypatch, tmp_path, fake, "--jobs", "2") == 0
+    # Every run reaches every chunk's target once, as with one job.
+    runs = ["roc-s0", "none-s0", "roc-s1", "none-s1"]
+    assert sorted(schedule(fake.calls)) == sorted((r, k) for k in (2, 4, 5) for r in runs)
+    # A chunk's runs all end before the next chunk starts: the arms stay at equal steps.
+    for i, (what, target) in enumerate(fake.events):
+        if what == "start":
+            assert all(t >= target for w, t in fake.events[i:] if w == "end"), fake.events
+    # Two runs at a time on 4 cores: 2 torch threads each; each run's output goes to its own log file.
+    assert all(env["OMP_NUM_THREADS"] == "2" for env in fake.envs)
+    assert sorted(set(fake.outputs)) == sorted(str(tmp_path / "abl" / r / "ablation.log") for r in runs)
 
 
 def test_missing_sft_is_a_clear_error(monkeypatch, tmp_path, capsys):
