@@ -16,7 +16,7 @@ pass@1 per family. The last line printed is one JSON object with each run's last
 
 --jobs N runs N of a chunk's runs at once, each on cores/N torch threads (OMP_NUM_THREADS, unless set), its output
 in RUN/ablation.log; the next chunk starts when all of this one's have ended. On 2 AVX2 cores, two stage-1 runs at
-once on one thread each took 225-330 s a step each (a step every 113-165 s for the pair), where one run on both
+once on one thread each took 225-329 s a step each (a step every 113-165 s for the pair), where one run on both
 cores took 128-199 s a step (RESULTS.md, "Two more steps did not help"): about as fast or faster, and the arms of a
 seed finish together.
 """
