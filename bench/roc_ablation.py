@@ -12,7 +12,11 @@ families once, at step 0 (`scan_every=0`; a later `--set scan_every=K` overrides
 from the same model with the same seed, so their scans are identical and they train on the same cells, and the
 CPU preset's rescans every 3 steps would cost a step's time each (10 scans in 30 steps). At the end,
 bench/results.py draws both arms' curves: tool errors in correct rollouts, response length, reward, held-out
-pass@1 per family. The last line printed is one JSON object with each run's last step.
+pass@1 per family; and PREFIX-figure9.png, the paper's Figure 9 quantities for each arm (the mean over seeds at
+every step and its trailing 5-step mean), with a table of their means over blocks of `--chunk` steps and the
+paired difference RoC - no RoC over every (seed, step) both arms ran. `--report` draws all this from the runs as
+they are, without advancing them. The last line printed is one JSON object with each run's last step and the
+Figure 9 numbers.
 
 --jobs N runs N of a chunk's runs at once, each on cores/N torch threads (OMP_NUM_THREADS, unless set), its output
 in RUN/ablation.log; the next chunk starts when all of this one's have ended. On 2 AVX2 cores, two stage-1 runs at
@@ -24,15 +28,23 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from checkpoints import latest_checkpoint  # noqa: E402
 ARMS = {"roc": "RoC", "none": "no RoC"}   # roc_mode -> the name in the plots
+FIGURE9 = {"tool_error_rate_pos_all": "tool error rate in correct rollouts (all 2G)",   # the paper's Figure 9
+           "response_len": "response length (tokens)"}
 
 
 def steps_done(run: Path) -> int:
@@ -41,28 +53,115 @@ def steps_done(run: Path) -> int:
     return int(ckpt.name.split("_")[-1]) if ckpt is not None else 0
 
 
+def step_values(run: Path, key: str) -> dict[int, float]:
+    """step -> the run's `key` at that RL step, for the steps that have one (none: no correct rollout that step)."""
+    rows = [json.loads(x) for x in (run / "stage1" / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in rows if r.get("step", 0) > 0 and r.get(key) is not None}
+
+
+def arm_curve(per_seed: list[dict[int, float]]) -> dict[int, float]:
+    """step -> the mean over the arm's seeds that have that step."""
+    steps = sorted({t for values in per_seed for t in values})
+    return {t: statistics.mean(v[t] for v in per_seed if t in v) for t in steps}
+
+
+def trailing_mean(ys: list[float], window: int) -> list[float]:
+    """m_i = mean(y_{i-window+1} .. y_i): the curve with its step-to-step noise averaged out."""
+    return [statistics.mean(ys[max(0, i - window + 1):i + 1]) for i in range(len(ys))]
+
+
+def figure9(runs: dict[tuple[str, int], Path], out: Path, block: int = 10, window: int = 5) -> dict:
+    """The paper's Figure 9 for this ablation: per quantity, each arm's curve (the mean over seeds at each step) and
+    its means over blocks of `block` steps, and the paired difference
+
+        d_{s,t} = x_RoC(seed s, step t) - x_noRoC(seed s, step t),   mean d ± stdev(d) / sqrt(n)
+
+    over the n (seed, step) pairs both arms have: the same seed and step means the same problems drawn. Steps follow
+    one another, so the pairs are not independent and that standard error is a lower bound. Draws
+    OUT/ablation-figure9.png and prints the table."""
+    seeds = sorted({seed for _, seed in runs})
+    report = {}
+    fig, axes = plt.subplots(1, len(FIGURE9), figsize=(5 * len(FIGURE9), 3.6))
+    print(f"\n| quantity | arm | means over blocks of {block} steps | all steps |\n|---|---|---|---|")
+    for ax, (key, title) in zip(axes, FIGURE9.items()):
+        values = {arm_seed: step_values(run, key) for arm_seed, run in runs.items()}
+        d = [values[("roc", s)][t] - values[("none", s)][t] for s in seeds
+             for t in sorted(values[("roc", s)]) if t in values[("none", s)]]
+        report[key] = {"difference": statistics.mean(d) if d else None, "pairs": len(d),
+                       "difference_se": statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else None}
+        for k, (arm, name) in enumerate(ARMS.items()):
+            curve = arm_curve([values[(arm, s)] for s in seeds])
+            steps = list(curve)
+            blocks = {}
+            for start in range(1, (max(steps) if steps else 0) + 1, block):
+                inside = [curve[t] for t in steps if start <= t < start + block]
+                if inside:
+                    blocks[f"{start}-{min(start + block - 1, max(steps))}"] = statistics.mean(inside)
+            report[key][arm] = {"curve": curve, "blocks": blocks,
+                                "all": statistics.mean(curve.values()) if curve else None}
+            print(f"| {title} | {name} | " + ", ".join(f"{b}: {v:.3g}" for b, v in blocks.items())
+                  + f" | {report[key][arm]['all'] or 0:.3g} |")
+            ax.plot(steps, [curve[t] for t in steps], color=f"C{k}", alpha=0.3, lw=1)
+            ax.plot(steps, trailing_mean([curve[t] for t in steps], window), color=f"C{k}", lw=2,
+                    label=f"{name} ({len(seeds)} seed{'s' * (len(seeds) > 1)}; bold: {window}-step mean)")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("RL step", fontsize=8)
+        ax.grid(alpha=0.3)
+        if report[key]["pairs"] > 1:
+            print(f"| {title} | RoC - no RoC | {report[key]['difference']:+.3g} ± {report[key]['difference_se']:.2g} "
+                  f"over {report[key]['pairs']} (seed, step) pairs | |")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "ablation-figure9.png", dpi=90)
+    plt.close(fig)
+    return report
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sft", required=True, help="an SFT stage directory (holds model/), e.g. runs/rstar2/sft")
+    ap.add_argument("--sft", help="an SFT stage directory (holds model/), e.g. runs/rstar2/sft")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--chunk", type=int, default=10, help="steps each arm runs before the other arm's turn")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--out", default="runs/ablation")
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE passed to rstar2_mini.py (both arms)")
     ap.add_argument("--jobs", type=int, default=1, help="runs of a chunk at once, each on cores/jobs threads")
+    ap.add_argument("--report", action="store_true",
+                    help="only draw the plots and print the tables of the runs in --out as they are")
     args = ap.parse_args()
     if args.jobs < 1:
         ap.error(f"--jobs must be at least 1 (got {args.jobs})")
-    sft = Path(args.sft)
-    if not (sft / "model" / "config.json").exists():
-        print(f"error: {sft} holds no SFT model (expected {sft / 'model' / 'config.json'}); run "
-              f"`python rstar2_mini.py --stage sft --out DIR` first", file=sys.stderr)
-        return 2
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = {(arm, seed): Path(args.out) / f"{arm}-s{seed}" for seed in seeds for arm in ARMS}
-    for run in runs.values():
-        if not (run / "sft" / "model" / "config.json").exists():
-            shutil.copytree(sft, run / "sft", dirs_exist_ok=True)
+    if args.report:
+        missing = [str(run) for run in runs.values() if not (run / "stage1" / "metrics.jsonl").exists()]
+        if missing:
+            print(f"error: no stage-1 metrics in {', '.join(missing)}: nothing to report", file=sys.stderr)
+            return 2
+    else:
+        sft = Path(args.sft or "")
+        if not args.sft or not (sft / "model" / "config.json").exists():
+            print(f"error: --sft {args.sft or '(not given)'} holds no SFT model (expected DIR/model/config.json); run "
+                  f"`python rstar2_mini.py --stage sft --out DIR` first and pass --sft DIR/sft", file=sys.stderr)
+            return 2
+        for run in runs.values():
+            if not (run / "sft" / "model" / "config.json").exists():
+                shutil.copytree(sft, run / "sft", dirs_exist_ok=True)
+        if not run_chunks(args, runs):
+            return 1
+    plots = [sys.executable, str(ROOT / "bench" / "results.py"), "--out", str(args.out), "--prefix", "ablation"]
+    for (arm, seed), run in runs.items():
+        plots += ["--run", f"{ARMS[arm]}={run / 'stage1' / 'metrics.jsonl'}"]
+    subprocess.run(plots, check=True)
+    last = {f"{arm}-s{seed}": [json.loads(x) for x in (run / "stage1" / "metrics.jsonl").read_text().splitlines()][-1]
+            for (arm, seed), run in runs.items()}
+    print(json.dumps(last | {"figure9": figure9(runs, Path(args.out), block=args.chunk)}))
+    return 0
+
+
+def run_chunks(args, runs: dict[tuple[str, int], Path]) -> bool:
+    """Advance every run to chunk, 2 chunk, ..., steps, a chunk at a time (the arms stay level). False if one failed."""
     targets = list(range(args.chunk, args.steps, args.chunk)) + [args.steps]
     env = dict(os.environ)
     if args.jobs > 1:
@@ -99,15 +198,8 @@ def main() -> int:
                 print(f"error: {run} stopped with an error (see above or its ablation.log); the same command "
                       f"continues from its last checkpoint", file=sys.stderr)
         if not all(ok):
-            return 1
-    plots = [sys.executable, str(ROOT / "bench" / "results.py"), "--out", str(args.out), "--prefix", "ablation"]
-    for (arm, seed), run in runs.items():
-        plots += ["--run", f"{ARMS[arm]}={run / 'stage1' / 'metrics.jsonl'}"]
-    subprocess.run(plots, check=True)
-    last = {f"{arm}-s{seed}": [json.loads(x) for x in (run / "stage1" / "metrics.jsonl").read_text().splitlines()][-1]
-            for (arm, seed), run in runs.items()}
-    print(json.dumps(last))
-    return 0
+            return False
+    return True
 
 
 if __name__ == "__main__":

@@ -85,7 +85,9 @@ def test_arms_alternate_in_chunks_and_a_user_setting_wins(monkeypatch, tmp_path,
         # Both arms scan once at step 0 unless the user says otherwise: the user's --set comes last and wins.
         assert sets(cmd) == [f"roc_mode={arm}", "scan_every=0", "scan_every=3"]
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    figure9 = last.pop("figure9")
     assert sorted(last) == sorted(runs) and all(v["step"] == 5 for v in last.values())
+    assert figure9["response_len"]["pairs"] == 0       # the fake's metrics lines carry no Figure 9 numbers
 
 
 def test_a_stopped_ablation_resumes_where_it_stopped(monkeypatch, tmp_path, capsys):
@@ -146,6 +148,52 @@ def test_missing_sft_is_a_clear_error(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(sys, "argv", ["roc_ablation.py", "--sft", str(tmp_path / "nothing"), "--out", str(tmp_path)])
     assert module.main() == 2
     assert "holds no SFT model" in capsys.readouterr().err
+
+
+def write_metrics(run: Path, rows: list[dict]) -> None:
+    """A stage-1 metrics.jsonl as a run writes it: the step-0 line (held-out only), then one line per step."""
+    (run / "stage1").mkdir(parents=True, exist_ok=True)
+    lines = [{"step": 0, "heldout_acc": 0.1}] + [{"step": i + 1, **r} for i, r in enumerate(rows)]
+    (run / "stage1" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_figure9_numbers_are_the_paired_differences_written_out(tmp_path):
+    module = load_ablation()
+    err = {("roc", 0): [0.1, 0.0, None, 0.2], ("none", 0): [0.3, 0.1, 0.2, 0.2],
+           ("roc", 1): [0.0, 0.1, 0.1, 0.0], ("none", 1): [0.2, 0.1, 0.3]}          # none-s1 ran 3 steps only
+    length = {k: [200 + 10 * i + (5 if k[0] == "roc" else 0) for i in range(len(v))] for k, v in err.items()}
+    runs = {}
+    for (arm, seed), values in err.items():
+        runs[(arm, seed)] = tmp_path / f"{arm}-s{seed}"
+        write_metrics(runs[(arm, seed)], [{"tool_error_rate_pos_all": e, "response_len": n}
+                                          for e, n in zip(values, length[(arm, seed)])])
+    got = module.figure9(runs, tmp_path / "plots", block=2)
+    # The pairs (seed, step) where both arms have a value, RoC minus no RoC, by hand:
+    # seed 0: steps 1, 2, 4 (RoC's step 3 has no correct rollout): -0.2, -0.1, 0.0; seed 1: steps 1-3: -0.2, 0, -0.2
+    d = [-0.2, -0.1, 0.0, -0.2, 0.0, -0.2]
+    mean = sum(d) / 6
+    se = (sum((x - mean) ** 2 for x in d) / 5) ** 0.5 / 6 ** 0.5
+    tool = got["tool_error_rate_pos_all"]
+    assert tool["pairs"] == 6
+    assert tool["difference"] == pytest.approx(mean) and tool["difference_se"] == pytest.approx(se)
+    # Each arm's curve is the mean over the seeds that have the step; blocks of 2 steps average that curve.
+    assert tool["roc"]["curve"] == pytest.approx({1: 0.05, 2: 0.05, 3: 0.1, 4: 0.1})
+    assert tool["none"]["curve"] == pytest.approx({1: 0.25, 2: 0.1, 3: 0.25, 4: 0.2})
+    assert tool["roc"]["blocks"] == pytest.approx({"1-2": 0.05, "3-4": 0.1})
+    assert got["response_len"]["difference"] == pytest.approx(5.0) and got["response_len"]["pairs"] == 7
+    assert (tmp_path / "plots" / "ablation-figure9.png").stat().st_size > 0
+
+
+def test_report_draws_the_runs_as_they_are_without_advancing_them(monkeypatch, tmp_path, capsys):
+    module, fake = load_ablation(), FakeRuns()
+    for arm in ("roc", "none"):
+        for seed in (0, 1):
+            write_metrics(tmp_path / "abl" / f"{arm}-s{seed}", [{"tool_error_rate_pos_all": 0.1, "response_len": 200}])
+    assert run_ablation(module, monkeypatch, tmp_path, fake, "--report") == 0
+    assert fake.calls == []                                   # no stage-1 run was started
+    assert (tmp_path / "abl" / "ablation-figure9.png").exists()
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["roc-s0"]["step"] == 1 and last["figure9"]["tool_error_rate_pos_all"]["pairs"] == 2
 
 
 if __name__ == "__main__":
