@@ -11,10 +11,10 @@ continues it. Each chunk ends with a held-out evaluation (a point on the held-ou
 families once, at step 0 (`scan_every=0`; a later `--set scan_every=K` overrides it): the two arms of a seed start
 from the same model with the same seed, so their scans are identical and they train on the same cells, and the
 CPU preset's rescans every 3 steps would cost a step's time each (10 scans in 30 steps). At the end,
-bench/results.py draws both arms' curves: tool errors in correct rollouts, response length, reward, held-out
-pass@1 per family; and PREFIX-figure9.png, the paper's Figure 9 quantities for each arm (the mean over seeds at
-every step and its trailing 5-step mean), with a table of their means over blocks of `--chunk` steps and the
-paired difference RoC - no RoC over every (seed, step) both arms ran. `--report` draws all this from the runs as
+bench/results.py draws both arms' curves (OUT/ablation-*.png): tool errors in correct rollouts, response length,
+reward, held-out pass@1 per family; and OUT/ablation-figure9.png shows the paper's Figure 9 quantities for each
+arm (the mean over seeds at every step and its trailing 5-step mean), with a table of their means over blocks of
+`--chunk` steps and the paired difference RoC - no RoC over every (seed, step) both arms ran. `--report` draws all this from the runs as
 they are, without advancing them. The last line printed is one JSON object with each run's last step and the
 Figure 9 numbers.
 
