@@ -71,6 +71,15 @@ def trailing_mean(ys: list[float], window: int) -> list[float]:
     return [statistics.mean(ys[max(0, i - window + 1):i + 1]) for i in range(len(ys))]
 
 
+def block_means(curve: dict[int, float], block: int) -> dict[str, float]:
+    """The curve's means over steps 1..block, block+1..2 block, ..., each labelled by the steps it has ("11-20")."""
+    groups: dict[int, list[int]] = {}
+    for t in curve:
+        groups.setdefault((t - 1) // block, []).append(t)
+    return {(f"{g[0]}-{g[-1]}" if len(g) > 1 else f"{g[0]}"): statistics.mean(curve[t] for t in g)
+            for g in groups.values()}
+
+
 def figure9(runs: dict[tuple[str, int], Path], out: Path, block: int = 10, window: int = 5) -> dict:
     """The paper's Figure 9 for this ablation: per quantity, each arm's curve (the mean over seeds at each step) and
     its means over blocks of `block` steps, and the paired difference
@@ -92,12 +101,7 @@ def figure9(runs: dict[tuple[str, int], Path], out: Path, block: int = 10, windo
                        "difference_se": statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else None}
         for k, (arm, name) in enumerate(ARMS.items()):
             curve = arm_curve([values[(arm, s)] for s in seeds])
-            steps = list(curve)
-            blocks = {}
-            for start in range(1, (max(steps) if steps else 0) + 1, block):
-                inside = [curve[t] for t in steps if start <= t < start + block]
-                if inside:
-                    blocks[f"{start}-{min(start + block - 1, max(steps))}"] = statistics.mean(inside)
+            steps, blocks = list(curve), block_means(curve, block)
             report[key][arm] = {"curve": curve, "blocks": blocks,
                                 "all": statistics.mean(curve.values()) if curve else None}
             print(f"| {title} | {name} | " + ", ".join(f"{b}: {v:.3g}" for b, v in blocks.items())
