@@ -169,7 +169,7 @@ def plot_families(by_name: dict[str, list[dict | None]], path: Path, report: dic
     for name, v in bars.items():
         print(f"| {name} | " + " | ".join(fmt(v.get(f)) for f in families) + " |")
     report["families"] = bars
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(families) * len(bars)), 3.6))
+    fig, ax = plt.subplots(figsize=(max(6, 2 + 0.35 * len(families) * len(bars)), 3.6))
     width = 0.8 / len(bars)
     for k, (name, v) in enumerate(bars.items()):
         ax.bar([i + k * width for i in range(len(families))], [v.get(f, 0.0) for f in families], width, label=name,

@@ -820,7 +820,9 @@ def test_fsdp_sft_on_two_ranks_equals_one_process(tmp_path, tiny_model_dir, toke
     assert ref["steps"] == 2
     moved = 0
     for name, value in m.state_dict().items():
-        assert torch.allclose(got.state_dict()[name], value, atol=2e-6), name
+        # the weights move ~2e-3 (lr 1e-3, two AdamW steps); the ranks sum their gradients in another order, and
+        # Adam's per-element scaling turns that rounding into up to ~3e-6 on CPUs with AVX-512 kernels
+        assert torch.allclose(got.state_dict()[name], value, atol=1e-5), name
         moved += int((value != before[name]).sum())
     assert moved > 1000
 
