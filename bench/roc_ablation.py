@@ -9,15 +9,15 @@ advance in chunks, alternating the arms: `rstar2_mini.py --stage 1 --resume --st
 steps. Both arms therefore have the same number of steps whenever the ablation is stopped, and the same command
 continues it. Each chunk ends with a held-out evaluation (a point on the held-out curve). Both arms scan the
 families once, at step 0 (`scan_every=0`; a later `--set scan_every=K` overrides it): the two arms of a seed start
-from the same model with the same seed, so their scans draw the same problems (their rollouts can still differ by
-a few: seed 1 in RESULTS.md saw products 2/8 in one arm and 1/8 in the other) and chose the same cells in every
-run measured, and the CPU preset's rescans every 3 steps would cost a step's time each (10 scans in 30 steps). At the end,
-bench/results.py draws both arms' curves (OUT/ablation-*.png): tool errors in correct rollouts, response length,
-reward, held-out pass@1 per family; and OUT/ablation-figure9.png shows the paper's Figure 9 quantities for each
-arm (the mean over seeds at every step and its trailing 5-step mean), with a table of their means over blocks of
-`--chunk` steps and the paired difference RoC - no RoC over every (seed, step) both arms ran. `--report` draws all this from the runs as
-they are, without advancing them. The last line printed is one JSON object with each run's last step and the
-Figure 9 numbers.
+from the same model with the same seed, so their scans draw the same problems (their rollouts can still differ by a
+few: seed 1 in RESULTS.md saw products 2/8 in one arm and 1/8 in the other) and chose the same cells in every run
+measured, and the CPU preset's rescans every 3 steps would cost a step's time each (10 scans in 30 steps). At the
+end, bench/results.py draws both arms' curves (OUT/ablation-*.png): tool errors in correct rollouts, response
+length, reward, held-out pass@1 per family; and OUT/ablation-figure9.png shows the paper's Figure 9 quantities for
+each arm (the mean over seeds at every step and its trailing 5-step mean), with a table of their means over blocks
+of `--chunk` steps and the paired difference RoC - no RoC over every (seed, step) both arms ran. `--report` draws
+all this from the runs as they are, without advancing them. The last line printed is one JSON object with each run's
+last step and the Figure 9 numbers.
 
 --jobs N runs N of a chunk's runs at once, each on cores/N torch threads (OMP_NUM_THREADS, unless set), its output
 in RUN/ablation.log; the next chunk starts when all of this one's have ended. On 2 AVX2 cores, two stage-1 runs at
@@ -54,9 +54,13 @@ def steps_done(run: Path) -> int:
     return int(ckpt.name.split("_")[-1]) if ckpt is not None else 0
 
 
-def step_values(run: Path, key: str) -> dict[int, float]:
-    """step -> the run's `key` at that RL step, for the steps that have one (none: no correct rollout that step)."""
-    rows = [json.loads(x) for x in (run / "stage1" / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(run: Path) -> list[dict]:
+    """The run's stage-1 metrics.jsonl: the step-0 held-out line, then one line per RL step."""
+    return [json.loads(x) for x in (run / "stage1" / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_values(rows: list[dict], key: str) -> dict[int, float]:
+    """step -> a run's `key` at that RL step, for the steps that have one (none: no correct rollout that step)."""
     return {r["step"]: r[key] for r in rows if r.get("step", 0) > 0 and r.get(key) is not None}
 
 
@@ -90,11 +94,12 @@ def figure9(runs: dict[tuple[str, int], Path], out: Path, block: int = 10, windo
     one another, so the pairs are not independent and that standard error is a lower bound. Draws
     OUT/ablation-figure9.png and prints the table."""
     seeds = sorted({seed for _, seed in runs})
+    metrics = {arm_seed: read_metrics(run) for arm_seed, run in runs.items()}
     report = {}
     fig, axes = plt.subplots(1, len(FIGURE9), figsize=(5 * len(FIGURE9), 3.6))
     print(f"\n| quantity | arm | means over blocks of {block} steps | all steps |\n|---|---|---|---|")
     for ax, (key, title) in zip(axes, FIGURE9.items()):
-        values = {arm_seed: step_values(run, key) for arm_seed, run in runs.items()}
+        values = {arm_seed: step_values(rows, key) for arm_seed, rows in metrics.items()}
         d = [values[("roc", s)][t] - values[("none", s)][t] for s in seeds
              for t in sorted(values[("roc", s)]) if t in values[("none", s)]]
         report[key] = {"difference": statistics.mean(d) if d else None, "pairs": len(d),
@@ -159,8 +164,7 @@ def main() -> int:
     for (arm, seed), run in runs.items():
         plots += ["--run", f"{ARMS[arm]}={run / 'stage1' / 'metrics.jsonl'}"]
     subprocess.run(plots, check=True)
-    last = {f"{arm}-s{seed}": [json.loads(x) for x in (run / "stage1" / "metrics.jsonl").read_text().splitlines()][-1]
-            for (arm, seed), run in runs.items()}
+    last = {f"{arm}-s{seed}": read_metrics(run)[-1] for (arm, seed), run in runs.items()}
     print(json.dumps(last | {"figure9": figure9(runs, Path(args.out), block=args.chunk)}))
     return 0
 
