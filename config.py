@@ -116,16 +116,18 @@ class Config:
 
 
 PRESETS = {
-    # Laptop CPU, 2 cores, SmolLM2-135M: lengths, batch and steps scaled so SFT + stage 1 fit in about an hour
-    # where the CPU has bf16 units. Measured (README, RESULTS.md): on an AVX2-only host (fp32) SFT 15 min, a step
-    # (8 problems x 8 rollouts, then the update) 3.3-4.7 min at T = 1 (2.1-3.3 min at T = 0.8), the scans 5.5-8
-    # and 4.7-6.2 min, a held-out evaluation 5.5 min: 56-63 min for the whole command at T = 1, peak 6.1 GB.
-    # Problems: every step trains on the generator cells (family, level) the policy has been right on, found by a
-    # scan of all eleven families (2 problems x 4 rollouts each, a second pass where none was right) at the start;
-    # every 3 steps the cells not yet found are scanned again. A group of all-wrong rollouts has zero advantage
-    # and teaches nothing: on all eleven families unscanned, 7 of 8 groups per step were dropped (RESULTS.md).
+    # Laptop CPU, 2 cores, SmolLM2-135M: lengths and batch scaled to the machine. Measured (README, RESULTS.md): on
+    # a host with bf16 units SFT 8 min, a step (8 problems x 8 rollouts, then the update) 0.9-4.4 min with another
+    # run on the cores (median 1.8-2), the scan 3.7 min, a held-out evaluation 2.5 min: stage 1 in 66-70 min,
+    # peak 7.7 GB. On an AVX2-only host (fp32) SFT 15 min and a step 2.1-3.3 min alone (stage 1 about 1.5-2 h).
+    # Problems: one scan of all eleven families at the start (2 problems x 4 rollouts each, a second pass where
+    # none was right); every step trains on the generator cells (family, level) the scan found right, dealt in
+    # turn. A group of all-wrong rollouts has zero advantage and teaches nothing: on all eleven families
+    # unscanned, 7 of 8 groups per step were dropped (RESULTS.md).
+    # steps=30, scan_every=0 (one scan): three seeds on one host ended at 0.379 over all families on average,
+    # against 0.265 for 6 steps with a rescan every 3 (docs/design.md, "Thirty steps on one scan").
     # The held-out set spans all eleven families: 4 problems of each x 2 samples (one standard error of pass@1
-    # over all 0.048 after SFT; rstar2_mini.heldout_report).
+    # over all 0.05 after SFT; rstar2_mini.heldout_report).
     # temperature=0.8 for rollouts and scans (the paper: 1.0): at T = 1 the 135M model broke more of its programs,
     # its scans saw the families it solves at T = 0.6 less often, and stage 1 ended lower (docs/design.md).
     # engine_batch=64: all 64 rollouts of a step decode together (83 tok/s against 66 at 32 rows: a decode
@@ -133,12 +135,12 @@ PRESETS = {
     # micro_batch_tokens=1024, logprob_chunk_tokens=256: the update's activations (~2 MB a token in fp32) and
     # logits for fewer tokens at once; the system prompt runs once a pass whatever the micro-batches, so they
     # cost little speed (docs/memory.md, the CPU run).
-    "cpu": dict(steps=6, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=512,
+    "cpu": dict(steps=30, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=512,
                 engine_batch=64,
                 draw_problems=8, max_draw_rounds=1, lr=2e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=1024,
                 logprob_chunk_tokens=256,
                 eval_problems=44, eval_samples=2, hard_scan=32, sft_examples=304, levels=(1,),
-                scan_problems=2, scan_samples=4, scan_rounds=2, scan_every=3, temperature=0.8),
+                scan_problems=2, scan_samples=4, scan_rounds=2, scan_every=0, temperature=0.8),
     # One 8-GPU node: the paper's numbers (Table/section 4); lengths per stage come from STAGES below.
     # hard_scan: the paper scans all 42K problems with 8 rollouts each (336K rollouts, ~20 of its steps' 16K) on
     # 64 GPUs. On one node at an assumed 2,500 generated tokens/s per engine (7 engines; not measured here, no

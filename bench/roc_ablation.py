@@ -8,11 +8,11 @@ Each arm and seed is one run directory, OUT/{roc,none}-s{seed}, into which the S
 advance in chunks, alternating the arms: `rstar2_mini.py --stage 1 --resume --steps K` for K = chunk, 2 chunk, ...,
 steps. Both arms therefore have the same number of steps whenever the ablation is stopped, and the same command
 continues it. Each chunk ends with a held-out evaluation (a point on the held-out curve). Both arms scan the
-families once, at step 0 (`scan_every=0`; a later `--set scan_every=K` overrides it): the two arms of a seed start
-from the same model with the same seed, so their scans draw the same problems (their rollouts can still differ by a
-few: seed 1 in RESULTS.md saw products 2/8 in one arm and 1/8 in the other) and chose the same cells in every run
-measured, and the CPU preset's rescans every 3 steps would cost a step's time each (10 scans in 30 steps). At the
-end, bench/results.py draws both arms' curves (OUT/ablation-*.png): tool errors in correct rollouts, response
+families once, at step 0, as the CPU preset does (`scan_every=0`, passed explicitly; a later `--set scan_every=K`
+overrides it): the two arms of a seed start from the same model with the same seed, so their scans draw the same
+problems (their rollouts can still differ by a few: seed 1 in RESULTS.md saw products 2/8 in one arm and 1/8 in
+the other) and chose the same cells in every run measured.
+At the end, bench/results.py draws both arms' curves (OUT/ablation-*.png): tool errors in correct rollouts, response
 length, reward, held-out pass@1 per family; and OUT/ablation-figure9.png shows the paper's Figure 9 quantities for
 each arm (the mean over seeds at every step and its trailing 5-step mean), with a table of their means over blocks
 of `--chunk` steps and the paired difference RoC - no RoC over every (seed, step) both arms ran. `--report` draws
