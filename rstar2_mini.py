@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import random
 import shlex
@@ -60,17 +61,18 @@ def log(msg: str) -> None:
 # Problems: the built-in generator (seeded, a data cursor makes resume exact) or a file
 
 
-def load_problem_source(cfg: Config, cells=None):
+def load_problem_source(cfg: Config, cells=None, first: int = 0):
     """A function index -> tasks.Problem: the training stream the data cursor walks along. `cells`: only these
     (family, level) pairs of the generator (a difficulty scan's choice), dealt in turn: problem i comes from cell
-    i mod len(cells), so a step's draw of n problems holds every cell floor(n / len(cells)) times or once more. (A
-    uniform choice of cell per problem left some cell out of 8 problems drawn from 4 cells 38% of the time, from
-    6 cells 89%: inclusion-exclusion over the empty cells.)"""
+    (i - first) mod len(cells), so a step's draw of n problems holds every cell floor(n / len(cells)) times or
+    once more. (A uniform choice of cell per problem left some cell out of 8 problems drawn from 4 cells 38% of
+    the time, from 6 cells 89%: inclusion-exclusion over the empty cells.) A learnability deal (deal_cells) is
+    one step's list of cells, repeats included, starting at the step's cursor `first`."""
     import tasks
 
     if cfg.data is None and cells is not None:
         cells = list(cells)
-        return lambda i: tasks.problem_at(i, seed=cfg.seed, split="train", cells=[cells[i % len(cells)]])
+        return lambda i: tasks.problem_at(i, seed=cfg.seed, split="train", cells=[cells[(i - first) % len(cells)]])
     if cfg.data is None:
         families = cfg.families or None
         return lambda i: tasks.problem_at(i, seed=cfg.seed, split="train", levels=cfg.levels, families=families,
@@ -141,6 +143,7 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
     n = cfg.group_size * cfg.oversample  # 2G rollouts per problem (paper: 32)
     informative, drawn, all_trajs, flattened = [], 0, [], 0
     kept, kept_pos, all_pos, dropped_pos = [], [], [], []
+    by_cell = {}  # "family/Llevel" -> [right, rollouts] of this step's draw, all 2G of each problem
     for round_ in range(cfg.max_draw_rounds):
         need = cfg.groups_per_step - len(informative)
         if need <= 0:
@@ -153,6 +156,8 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         for p, group in zip(problems, groups):
             all_trajs.extend(group)
             rewards = [t.reward for t in group]
+            right, count = by_cell.get(cell_name((p.family, p.level)), (0, 0))
+            by_cell[cell_name((p.family, p.level))] = [right + sum(r > 0 for r in rewards), count + len(rewards)]
             if cfg.drop_all_equal and not grpo_roc.drop_uninformative([rewards])[0]:
                 continue   # all right or all wrong: no signal (DAPO's dynamic sampling draws another problem)
             penalties = [grpo_roc.roc_penalty(t.tool_calls, t.tool_errors, t.answer_tags, t.turns) for t in group]
@@ -207,6 +212,7 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         "turns_per_traj": mean(t.turns for t in all_trajs),
         "finish_length_frac": mean(1.0 if t.finish_reason == "length" else 0.0 for t in all_trajs),
         "answer_format_rate": mean(1.0 if t.answer_tags else 0.0 for t in all_trajs),
+        "rollouts_by_cell": by_cell,
     }
     return kept, stats, cursor, all_trajs
 
@@ -310,6 +316,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     # the cells right at a scan of this stage (choose_cells), those trained on (found, or every cell while none
     # is), and the step of the latest scan
     scanning, found, cells, scan_step = problem_at is None, [], None, 0
+    rates = {}  # "family/Llevel" -> [right, rollouts]: the scan's counts, then each step's, decayed (update_cell_rates)
     if start is not None:
         if start.get("world", 1) != DIST.world:
             raise UsageError(f"the checkpoint was written by {start.get('world', 1)} process(es) and this run has "
@@ -324,6 +331,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
             if scanning and start.get("cells") is not None:  # the data the stage was on, not a new scan
                 cells, scan_step = [tuple(c) for c in start["cells"]], start["scan_step"]
                 found = [tuple(c) for c in start.get("found", start["cells"])]
+                rates = start.get("cell_rates", {})
                 problem_at = load_problem_source(cfg, cells)
         elif stage == "2":  # stage 2 trains on the same data with a longer budget: continue the data cursor
             cursor = start.get("cursor", 0)
@@ -347,14 +355,20 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     last = {}
     while step < cfg.steps:
         if scanning and (cells is None or (cfg.scan_every > 0 and step - scan_step >= cfg.scan_every)):
-            found = [tuple(c) for c in on_rank0(choose_cells, rt, cfg, stage, step, run_dir, found)]  # scan.jsonl
+            found, scanned = on_rank0(choose_cells, rt, cfg, stage, step, run_dir, found)  # scan.jsonl
+            found, rates = [tuple(c) for c in found], rates | scanned
             cells, scan_step = found or stage_cells(cfg), step
             problem_at = load_problem_source(cfg, cells)
         t0 = time.time()
         kept, stats, all_trajs = [], {}, []
         if lead:
+            if scanning and cfg.cell_sampling == "learnability":  # this step's cells by their recent rates
+                deal = deal_cells(cells, rates, max(cfg.draw_problems, cfg.groups_per_step), rng, cfg)
+                problem_at = load_problem_source(cfg, deal, first=cursor)
             kept, stats, cursor, all_trajs = select_step_batch(rt, cfg, problem_at, cursor, step, rng)
             stats["cells_trained"] = len(cells) if cells is not None else None
+            if scanning:
+                rates = update_cell_rates(rates, stats["rollouts_by_cell"])
             models.release_freed_memory()
         kept, roc_rng = from_rank0((kept, rng.getstate()))  # every rank updates on the same batch, same order
         rng.setstate(roc_rng)
@@ -391,7 +405,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
                 state = {"step": step, "cursor": cursor, "stage": stage, "optimizer": opt_state,
                          "schedule": schedule.state_dict(), "rng": rng_state(), "roc_rng": rng.getstate(),
                          "world": DIST.world, "config": dataclasses.asdict(cfg), "cells": cells,
-                         "scan_step": scan_step, "found": found, **(extra_state or {})}
+                         "scan_step": scan_step, "found": found, "cell_rates": rates, **(extra_state or {})}
                 save_checkpoint(run_dir, unwrapped(rt), rt.tokenizer, state, weights=weights)
                 plot_curves(metrics_path, run_dir / "curves.png")
             del weights, opt_state
@@ -478,6 +492,11 @@ def keep_lines_up_to(path: Path, step: int) -> None:
 #     learned to solve sometimes.
 
 
+def cell_name(cell) -> str:
+    """A (family, level) cell as logs and checkpoints name it: "gcd_lcm/L1"."""
+    return f"{cell[0]}/L{cell[1]}"
+
+
 def stage_cells(cfg: Config) -> list:
     """Every (family, level) cell of the stage: families x levels."""
     import tasks
@@ -510,16 +529,17 @@ def difficulty_scan(rt: Runtime, cfg: Config, step: int, cells=None) -> dict:
     return counts
 
 
-def choose_cells(rt: Runtime, cfg: Config, stage: str, step: int, run_dir: Path, found: list) -> list:
+def choose_cells(rt: Runtime, cfg: Config, stage: str, step: int, run_dir: Path, found: list) -> tuple[list, dict]:
     """A difficulty scan of the cells not in `found` (those right at an earlier scan of the stage), one log line
-    and a line of run_dir/scan.jsonl. Returns `found` and the newly right cells, in the stage's cell order."""
+    and a line of run_dir/scan.jsonl. Returns `found` and the newly right cells, in the stage's cell order, and
+    the scan's counts {"family/Llevel": [right, rollouts]}."""
     every = stage_cells(cfg)
     t0 = time.time()
     counts = difficulty_scan(rt, cfg, step, [c for c in every if c not in found])
     seconds = time.time() - t0
     new = [c for c, (right, _) in counts.items() if right > 0]
     found = [c for c in every if c in found or c in new]
-    name = {c: f"{c[0]}/L{c[1]}" for c in every}
+    name = {c: cell_name(c) for c in every}
     rate = {c: f"{right}/{n}" for c, (right, n) in counts.items()}
     log(f"[stage {stage}] difficulty scan at step {step} ({len(counts)} cells, {cfg.scan_problems} x "
         f"{cfg.scan_samples} per pass, {seconds:.0f} s): "
@@ -531,7 +551,72 @@ def choose_cells(rt: Runtime, cfg: Config, stage: str, step: int, run_dir: Path,
                             "rollouts": {name[c]: n for c, (_, n) in counts.items()},
                             "cells": [name[c] for c in (found or every)],
                             "scan_time_s": round(seconds, 1)}) + "\n")
-    return found
+    return found, {name[c]: [right, n] for c, (right, n) in counts.items()}
+
+
+# Which found cell each drawn problem comes from (cfg.cell_sampling). "turn": dealt in turn (load_problem_source).
+# "learnability": in proportion to the chance that a problem of the cell gives a group the update can use, so a
+# step's rollouts go where they teach: a solved family's groups are all right and dropped, a family right 1 time
+# in 16 is mixed in 40% of its groups, one right half the time in 96%. Sampling by success rate in this spirit
+# is the learnability curriculum of Foster et al. (2025, arXiv 2502.12272), whose weight is p (1 - p); here it is
+# the dynamic-sampling rule itself: a group of 2G rollouts trains when, after RoC keeps G, it still holds a right
+# and a wrong answer. p is the cell's recent rate: the scan's counts, then each step's, the older ones weighted
+# by CELL_RATE_DECAY a step. A cell not drawn for a while drifts back towards p = 1/2 and is looked at again, and
+# CELL_FLOOR keeps solved cells in the mix (a family the policy starts to forget turns mixed and is drawn more).
+
+CELL_RATE_DECAY = 0.5   # a step's counts weigh half the next step's: the rate follows a policy that learns
+CELL_FLOOR = 0.05       # weight every found cell keeps: a solved one is drawn about once in 20 draws per cell
+
+
+def informative_chance(p: float, n: int, keep: int, mode: str = "roc") -> float:
+    """P(a group of n rollouts, each right with probability p, is mixed after 2G -> G): the chance the step's
+    dynamic sampling keeps it. With k right of n (binomial):
+      roc / topk: the wrong ones kept are floor((n - k) G / n), the right ones fill the rest: mixed iff
+                  k >= 1 and floor((n - k) G / n) >= 1 (2G -> G: k >= 1 right and >= 2 wrong)
+      none:       a uniform G-subset: mixed unless all G drawn are right or all wrong,
+                  1 - C(k, G) / C(n, G) - C(n - k, G) / C(n, G)"""
+    total = 0.0
+    for k in range(n + 1):
+        if mode == "none":
+            mixed = 1 - (math.comb(k, keep) + math.comb(n - k, keep)) / math.comb(n, keep)
+        else:
+            wrong_kept = ((n - k) * keep) // n
+            right_kept = min(keep - wrong_kept, k)
+            mixed = float(right_kept >= 1 and keep - right_kept >= 1)
+        total += math.comb(n, k) * p ** k * (1 - p) ** (n - k) * mixed
+    return total
+
+
+def deal_cells(cells: list, rates: dict, n: int, rng: random.Random, cfg: Config) -> list:
+    """n cells for one step's draw, in the cells' order: weights w_c = informative_chance(p_c) + CELL_FLOOR with
+    p_c = (right + 1/2) / (rollouts + 1) (smoothed: a cell with no counts has p = 1/2), drawn by systematic
+    sampling: one uniform offset u, draw j takes the cell whose stretch of the cumulative shares holds (u + j) / n.
+    Each cell comes n s_c times on average (s_c its share), and floor(n s_c) or ceil(n s_c) times in every deal."""
+    weights = []
+    for cell in cells:
+        right, rollouts = rates.get(cell_name(cell), (0.0, 0.0))
+        p = (right + 0.5) / (rollouts + 1)
+        weights.append(informative_chance(p, cfg.group_size * cfg.oversample, cfg.group_size, cfg.roc_mode)
+                       + CELL_FLOOR)
+    total, u = sum(weights), rng.random()
+    deal, edge, c = [], 0.0, 0
+    for j in range(n):
+        point = (u + j) / n * total
+        while c < len(cells) - 1 and edge + weights[c] <= point:
+            edge += weights[c]
+            c += 1
+        deal.append(cells[c])
+    return deal
+
+
+def update_cell_rates(rates: dict, step_counts: dict) -> dict:
+    """Every cell's [right, rollouts] times CELL_RATE_DECAY, plus this step's counts (select_step_batch's
+    rollouts_by_cell): right_c <- d right_c + r_c, rollouts_c <- d rollouts_c + n_c."""
+    out = {name: [CELL_RATE_DECAY * right, CELL_RATE_DECAY * n] for name, (right, n) in rates.items()}
+    for name, (right, n) in step_counts.items():
+        old = out.get(name, [0.0, 0.0])
+        out[name] = [old[0] + right, old[1] + n]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -844,6 +929,8 @@ def parse_args(argv=None) -> Config:
     cfg._explicit = explicit
     if cfg.precision not in ("auto", "fp32", "bf16"):
         raise UsageError(f"--set precision={cfg.precision}: choose auto, fp32 or bf16")
+    if cfg.cell_sampling not in ("turn", "learnability"):
+        raise UsageError(f"--set cell_sampling={cfg.cell_sampling}: choose turn or learnability")
     if cfg.sandbox_isolation not in ("auto", "none", "userns"):
         raise UsageError(f"sandbox isolation {cfg.sandbox_isolation!r}: choose auto or none")
     import tasks

@@ -114,7 +114,19 @@ def plot_curves(metrics_path: Path, out_png: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
-    for ax in axes.flat[len(panels):]:
+    # the training rollouts' rate right per generator cell, at the steps that drew it (select_step_batch)
+    ax, by_cell = axes.flat[len(panels)], {}
+    for r in rows:
+        for name, (right, n) in (r.get("rollouts_by_cell") or {}).items():
+            by_cell.setdefault(name, []).append((r["step"], right / n))
+    for name, pts in sorted(by_cell.items()):
+        ax.plot(*zip(*pts), marker="o", ms=2, lw=1, label=name)
+    ax.set_title("reward by cell (rollouts drawn)", fontsize=10)
+    ax.set_xlabel("step", fontsize=8)
+    ax.grid(alpha=0.3)
+    if by_cell:
+        ax.legend(fontsize=6, ncol=2)
+    for ax in axes.flat[len(panels) + 1:]:
         ax.set_axis_off()
     fig.suptitle(f"{metrics_path.parent}", fontsize=10)
     # fixed margins: tight_layout measures every tick label (a plot took 2.2-2.9 s with it, 1.3-1.5 s without)

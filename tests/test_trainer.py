@@ -334,6 +334,19 @@ def scan_world(monkeypatch):
     return trained
 
 
+def scanning_stage(tokenizer, cfg, run_dir, start, log_file):
+    """train_stage on a tiny model with no problem source (the stage scans), then run_dir/log_file's JSON lines."""
+    import asyncio
+
+    rt = R.Runtime(model=models.tiny_model(tokenizer), tokenizer=tokenizer, engines=[], pool=None,
+                   loop=asyncio.new_event_loop())
+    try:
+        R.train_stage(rt, cfg, "1", run_dir, None, start=start)
+    finally:
+        rt.loop.close()
+    return [json.loads(x) for x in (run_dir / log_file).read_text().splitlines()]
+
+
 def test_a_scan_passes_again_over_the_cells_no_rollout_was_right_on(tmp_path, monkeypatch):
     """scan_rounds = 2: the cells with no right rollout in the first pass (2 problems x 4) get a second pass of
     new problems, the others are not sampled again; counts are (right, rollouts) as counted by hand. The choice
@@ -357,10 +370,11 @@ def test_a_scan_passes_again_over_the_cells_no_rollout_was_right_on(tmp_path, mo
     assert not set(calls[0]) & set(calls[1])                  # new problems
 
     calls.clear()
-    found = R.choose_cells(None, cfg, "1", 0, tmp_path, [])
+    found, counts = R.choose_cells(None, cfg, "1", 0, tmp_path, [])
+    assert counts["gcd_lcm/L1"] == [2, 16] and counts["product/L1"] == [8, 8]
     assert found == [("product", 1), ("gcd_lcm", 1)]
     calls.clear()
-    found = R.choose_cells(None, cfg, "1", 3, tmp_path, found)  # a rescan: the other 9 cells only
+    found, _ = R.choose_cells(None, cfg, "1", 3, tmp_path, found)  # a rescan: the other 9 cells only
     assert found == [("product", 1), ("gcd_lcm", 1)] and [len(c) for c in calls] == [18, 18]
     scans = [json.loads(x) for x in (tmp_path / "scan.jsonl").read_text().splitlines()]
     assert scans[0]["rates"]["gcd_lcm/L1"] == 2 / 16 and scans[0]["rollouts"]["product/L1"] == 8
@@ -368,7 +382,7 @@ def test_a_scan_passes_again_over_the_cells_no_rollout_was_right_on(tmp_path, mo
     # nothing ever right: the stage trains on every cell (and says so), and the next scan looks at all of them
     monkeypatch.setattr(R, "generate_groups", lambda rt, cfg, problems, n, seed, **kw: [
         [scheduler.Trajectory(p.id, [1], [scheduler.Segment([2], 1)], reward=0.0)] * n for p in problems])
-    assert R.choose_cells(None, cfg, "1", 0, tmp_path, []) == []
+    assert R.choose_cells(None, cfg, "1", 0, tmp_path, [])[0] == []
     assert len(json.loads((tmp_path / "scan.jsonl").read_text().splitlines()[-1])["cells"]) == 11
 
 
@@ -385,6 +399,65 @@ def test_a_steps_draw_deals_the_chosen_cells_in_turn():
     assert all(p == tasks.problem_at(i, seed=3, split="train", cells=[cells[i % 3]]) for i, p in enumerate(drawn))
     heldout = {p.question for p in tasks.heldout_problems(33, levels=(1,))}
     assert not heldout & {source(i).question for i in range(300)}
+
+
+def test_the_chance_a_group_informs_the_update_counts_every_reward_pattern():
+    """informative_chance(p, 2G, G) against a brute-force count: every right/wrong pattern of a group of 2G,
+    weighted p^k (1 - p)^(2G - k), kept when dynamic sampling, grpo_roc's 2G -> G and dynamic sampling again
+    leave it mixed (roc and topk keep the same numbers of each kind; none: every G-subset equally likely)."""
+    import itertools
+
+    import grpo_roc
+
+    for G, oversample in [(2, 2), (4, 2), (3, 3)]:
+        n = G * oversample
+        for p in (0.0, 0.05, 0.3, 0.5, 0.9, 1.0):
+            for mode in ("roc", "none"):
+                total = 0.0
+                for pattern in itertools.product([0.0, 1.0], repeat=n):
+                    k = int(sum(pattern))
+                    if mode == "roc":
+                        idx = grpo_roc.roc_downsample(list(pattern), [0.0] * n, G, random.Random(0))
+                        subsets = [idx]
+                    else:
+                        subsets = list(itertools.combinations(range(n), G))
+                    mixed = sum(grpo_roc.drop_uninformative([[pattern[i] for i in s]])[0] for s in subsets)
+                    total += p ** k * (1 - p) ** (n - k) * mixed / len(subsets)
+                assert R.informative_chance(p, n, G, mode) == pytest.approx(total, abs=1e-12), (G, p, mode)
+    assert R.informative_chance(1 / 16, 8, 4, "roc") == pytest.approx(1 - (15 / 16) ** 8 - (1 / 16) ** 8
+                                                                       - 8 * (1 / 16) ** 7 * (15 / 16))
+
+
+def test_a_learnability_deal_gives_each_cell_its_share_of_the_draw():
+    """deal_cells: n draws by systematic sampling over the weights informative_chance(p) + CELL_FLOOR, with p the
+    smoothed rate (right + 1/2) / (rollouts + 1): each cell floor(n s) or ceil(n s) times, s its share of the
+    weights, and n s times on average over seeded deals; the deal is in the cells' order."""
+    cells = [("product", 1), ("gcd_lcm", 1), ("fibonacci", 1), ("binomial", 1)]
+    rates = {"product/L1": [16.0, 16.0], "gcd_lcm/L1": [4.0, 8.0], "fibonacci/L1": [1.0, 16.0]}  # binomial: none
+    cfg = R.Config(group_size=4, oversample=2)
+
+    def weight(right, n):
+        return R.informative_chance((right + 0.5) / (n + 1), 8, 4, "roc") + R.CELL_FLOOR
+
+    w = [weight(*rates["product/L1"]), weight(*rates["gcd_lcm/L1"]), weight(*rates["fibonacci/L1"]), weight(0, 0)]
+    share = [x / sum(w) for x in w]
+    n, deals = 8, 4000
+    mean = [0.0] * 4
+    for seed in range(deals):
+        deal = R.deal_cells(cells, rates, n, random.Random(seed), cfg)
+        assert len(deal) == n and deal == sorted(deal, key=cells.index)
+        for j, cell in enumerate(cells):
+            count = deal.count(cell)
+            assert math.floor(n * share[j]) <= count <= math.ceil(n * share[j])
+            mean[j] += count / deals
+    assert mean == pytest.approx([n * s for s in share], abs=0.05)
+
+
+def test_cell_rates_decay_each_step_and_add_the_steps_rollouts():
+    """update_cell_rates: every cell's counts times CELL_RATE_DECAY, plus this step's (right, rollouts)."""
+    d = R.CELL_RATE_DECAY
+    rates = R.update_cell_rates({"a/L1": [2.0, 8.0], "b/L1": [0.0, 8.0]}, {"a/L1": [3, 8], "c/L1": [1, 8]})
+    assert rates == {"a/L1": [2 * d + 3, 8 * d + 8], "b/L1": [0.0, 8 * d], "c/L1": [1.0, 8.0]}
 
 
 def test_the_heldout_report_gives_each_change_its_paired_standard_error():
@@ -416,21 +489,13 @@ def test_difficulty_scans_choose_the_cells_rescan_and_resume_without_a_new_scan(
     here from the fake sampler's rates: modular_power's 4/4 too), dealt in turn; every scan_every steps it scans
     the cells not yet found, and a run resumed between two scans takes its cells from the checkpoint: it trains
     on the same problems as the uninterrupted run and logs the same scans."""
-    import asyncio
-
     trained = scan_world(monkeypatch)
     cfg = R.Config(steps=4, scan_problems=2, scan_samples=4, scan_every=2, levels=(1,), groups_per_step=2,
                    group_size=3, oversample=2, draw_problems=2, max_draw_rounds=1, eval_problems=0, save_every=2,
                    samples_per_step=0, warmup_steps=1)
 
     def run(d, start=None, steps=4):
-        rt = R.Runtime(model=models.tiny_model(tokenizer), tokenizer=tokenizer, engines=[], pool=None,
-                       loop=asyncio.new_event_loop())
-        try:
-            R.train_stage(rt, dataclasses.replace(cfg, steps=steps), "1", d, None, start=start)
-        finally:
-            rt.loop.close()
-        return [json.loads(x) for x in (d / "scan.jsonl").read_text().splitlines()]
+        return scanning_stage(tokenizer, dataclasses.replace(cfg, steps=steps), d, start, "scan.jsonl")
 
     a = tmp_path / "a"
     a.mkdir()
@@ -456,6 +521,51 @@ def test_difficulty_scans_choose_the_cells_rescan_and_resume_without_a_new_scan(
     scans_b = run(b, start=state, steps=4)
     assert len(scans_b) == 2 and all(dict(s, scan_time_s=0) == dict(t, scan_time_s=0) for s, t in zip(scans, scans_b))
     assert [p.id for p in trained] == ids_a      # steps 1-3, then step 4 after the resume: the same problems
+
+
+def test_learnability_sampling_deals_by_the_scans_rates_logs_each_cell_and_resumes_exactly(tmp_path, tokenizer,
+                                                                                             monkeypatch):
+    """cell_sampling = learnability: step 1 draws deal_cells(found cells, the scan's counts, n, the trainer's
+    seeded rng) (an oracle written out from the scan's own counts); each step logs every drawn cell's (right,
+    rollouts) as the fake sampler made them; the rates go into the checkpoint, and a run resumed after step 2
+    draws the same problems as the uninterrupted one."""
+    import tasks
+
+    trained = scan_world(monkeypatch)
+    cfg = R.Config(steps=4, scan_problems=2, scan_samples=4, scan_every=0, levels=(1,), groups_per_step=2,
+                   group_size=3, oversample=2, draw_problems=4, max_draw_rounds=1, eval_problems=0, save_every=2,
+                   samples_per_step=0, warmup_steps=1, cell_sampling="learnability")
+
+    def run(d, start=None, steps=4):
+        return scanning_stage(tokenizer, dataclasses.replace(cfg, steps=steps), d, start, "metrics.jsonl")
+
+    a = tmp_path / "a"
+    a.mkdir()
+    rows = run(a)
+    cells = [("product", 1), ("modular_power", 1), ("gcd_lcm", 1)]
+    scanned = {f"{f}/L1": [0, 8] for f in tasks.FAMILIES}   # scan_world's rates: 2 problems x 4, one pass
+    scanned |= {"product/L1": [2, 8], "modular_power/L1": [8, 8], "gcd_lcm/L1": [4, 8]}
+    deal = R.deal_cells(cells, scanned, 4, random.Random(cfg.seed), cfg)
+    assert [(p.family, p.level) for p in trained[:4]] == deal
+    for r, first in zip(rows, range(0, 16, 4)):
+        drawn = trained[first:first + 4]
+        expect = {}
+        for p in drawn:   # scan_world's training rollouts: 2G = 6, all right
+            right, n = expect.get(f"{p.family}/L{p.level}", [0, 0])
+            expect[f"{p.family}/L{p.level}"] = [right + 6, n + 6]
+        assert r["rollouts_by_cell"] == expect
+    ids_a = [p.id for p in trained]
+
+    trained.clear()    # the same run, stopped after step 2, then resumed from its checkpoint
+    (tmp_path / "b").mkdir()
+    run(tmp_path / "b", steps=2)
+    state = torch.load(R.latest_checkpoint(tmp_path / "b") / "trainer_state.pt", weights_only=False)
+    rates = R.update_cell_rates(R.update_cell_rates(scanned, rows[0]["rollouts_by_cell"]), rows[1]["rollouts_by_cell"])
+    assert state["cell_rates"].keys() == rates.keys()
+    for k, v in rates.items():
+        assert state["cell_rates"][k] == pytest.approx(v), k
+    run(tmp_path / "b", start=state, steps=4)
+    assert [p.id for p in trained] == ids_a
 
 
 # ---------------------------------------------------------------------------------------------------------
