@@ -156,8 +156,9 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         for p, group in zip(problems, groups):
             all_trajs.extend(group)
             rewards = [t.reward for t in group]
-            right, count = by_cell.get(cell_name((p.family, p.level)), (0, 0))
-            by_cell[cell_name((p.family, p.level))] = [right + sum(r > 0 for r in rewards), count + len(rewards)]
+            cell = cell_name((getattr(p, "family", ""), getattr(p, "level", 0)))  # any problem-like object
+            right, count = by_cell.get(cell, (0, 0))
+            by_cell[cell] = [right + sum(r > 0 for r in rewards), count + len(rewards)]
             if cfg.drop_all_equal and not grpo_roc.drop_uninformative([rewards])[0]:
                 continue   # all right or all wrong: no signal (DAPO's dynamic sampling draws another problem)
             penalties = [grpo_roc.roc_penalty(t.tool_calls, t.tool_errors, t.answer_tags, t.turns) for t in group]
