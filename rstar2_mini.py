@@ -566,7 +566,7 @@ def choose_cells(rt: Runtime, cfg: Config, stage: str, step: int, run_dir: Path,
 # CELL_FLOOR keeps solved cells in the mix (a family the policy starts to forget turns mixed and is drawn more).
 
 CELL_RATE_DECAY = 0.5   # a step's counts weigh half the next step's: the rate follows a policy that learns
-CELL_FLOOR = 0.05       # weight every found cell keeps: a solved one is drawn about once in 20 draws per cell
+CELL_FLOOR = 0.05       # weight every found cell keeps whatever its rate (a cell right half the time: ~1)
 
 
 def informative_chance(p: float, n: int, keep: int, mode: str = "roc") -> float:
