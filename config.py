@@ -48,7 +48,8 @@ class Config:
     scan_rounds: int = 1              # passes at most over a cell with no right answer yet (new problems each)
     scan_every: int = 0               # steps between scans (0: one scan, at the start of the stage)
     cell_sampling: str = "turn"       # which found cell a drawn problem comes from: turn (dealt in turn) |
-                                      # learnability (by the chance its group informs the update: rstar2_mini)
+                                      # learnability (by the chance its group informs the update: rstar2_mini;
+                                      # three seeds on the CPU preset, the same held-out mean: docs/design.md)
     # rollouts (paper section 2.1, 3.2)
     groups_per_step: int = 4          # informative problems per step (paper: 512 prompts)
     group_size: int = 4               # G, rollouts kept per problem after RoC (paper: 16)
