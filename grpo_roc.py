@@ -113,14 +113,7 @@ def roc_downsample(rewards: Sequence[float], penalties: Sequence[float], keep: i
 
     neg = [i for i in range(n) if rewards[i] <= 0]
     pos = [i for i in range(n) if rewards[i] > 0]
-    # Negatives are down-sampled at the group's rate: floor(n_neg * G / 2G) = floor(n_neg / 2).
-    # Released code: round(n_neg * G / 2G) (Python's round, half to even), and at least 2 negatives and
-    # 2 positives when the group has them (min_zero/min_non_zero_reward_trace_num = 2 in its example script).
-    n_neg_target = (len(neg) * keep) // n             # floor(n_neg * G / 2G) = floor(n_neg / 2)
-    n_pos_keep = min(keep - n_neg_target, len(pos))   # positives take the rest ...
-    n_neg_keep = keep - n_pos_keep                    # ... and negatives fill in when positives run short
-    # (n_neg_target <= n_neg always, so negatives never run short: the remaining slots go to positives.)
-
+    n_pos_keep, n_neg_keep = roc_kept_counts(len(pos), len(neg), keep)
     kept_neg = rng.sample(neg, n_neg_keep)   # uniform, no filtering: every kind of failure stays visible
     # Released code: negatives are also sorted by penalty and the lowest kept (deterministic), against the
     # paper's uniform sampling; it does the same for positives, which is our mode "topk".
@@ -134,6 +127,20 @@ def roc_downsample(rewards: Sequence[float], penalties: Sequence[float], keep: i
         ring_times = {i: rng.expovariate(1.0 / (penalties[i] + ROC_EPS)) for i in pos}
         kept_pos = sorted(pos, key=ring_times.__getitem__)[:n_pos_keep]
     return sorted(kept_neg + kept_pos)
+
+
+def roc_kept_counts(n_pos: int, n_neg: int, keep: int) -> tuple[int, int]:
+    """(positives, negatives) that roc_downsample's modes roc and topk keep of a group with n_pos right and n_neg
+    wrong trajectories (keep < n_pos + n_neg)."""
+    n = n_pos + n_neg
+    # Negatives are down-sampled at the group's rate: floor(n_neg * G / 2G) = floor(n_neg / 2).
+    # Released code: round(n_neg * G / 2G) (Python's round, half to even), and at least 2 negatives and
+    # 2 positives when the group has them (min_zero/min_non_zero_reward_trace_num = 2 in its example script).
+    n_neg_target = (n_neg * keep) // n                # floor(n_neg * G / 2G) = floor(n_neg / 2)
+    n_pos_keep = min(keep - n_neg_target, n_pos)      # positives take the rest ...
+    n_neg_keep = keep - n_pos_keep                    # ... and negatives fill in when positives run short
+    # (n_neg_target <= n_neg always, so negatives never run short: the remaining slots go to positives.)
+    return n_pos_keep, n_neg_keep
 
 
 def drop_uninformative(groups_rewards: list[list[float]]) -> list[bool]:

@@ -317,7 +317,9 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     # the cells right at a scan of this stage (choose_cells), those trained on (found, or every cell while none
     # is), and the step of the latest scan
     scanning, found, cells, scan_step = problem_at is None, [], None, 0
-    rates = {}  # "family/Llevel" -> [right, rollouts]: the scan's counts, then each step's, decayed (update_cell_rates)
+    # cell_sampling=learnability draws each step's cells by their recent rates: "family/Llevel" -> [right,
+    # rollouts], the scan's counts, then each step's, decayed (deal_cells, update_cell_rates)
+    learnability, rates = scanning and cfg.cell_sampling == "learnability", {}
     if start is not None:
         if start.get("world", 1) != DIST.world:
             raise UsageError(f"the checkpoint was written by {start.get('world', 1)} process(es) and this run has "
@@ -363,12 +365,12 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
         t0 = time.time()
         kept, stats, all_trajs = [], {}, []
         if lead:
-            if scanning and cfg.cell_sampling == "learnability":  # this step's cells by their recent rates
+            if learnability:
                 deal = deal_cells(cells, rates, max(cfg.draw_problems, cfg.groups_per_step), rng, cfg)
                 problem_at = load_problem_source(cfg, deal, first=cursor)
             kept, stats, cursor, all_trajs = select_step_batch(rt, cfg, problem_at, cursor, step, rng)
             stats["cells_trained"] = len(cells) if cells is not None else None
-            if scanning:
+            if learnability:
                 rates = update_cell_rates(rates, stats["rollouts_by_cell"])
             models.release_freed_memory()
         kept, roc_rng = from_rank0((kept, rng.getstate()))  # every rank updates on the same batch, same order
@@ -572,18 +574,18 @@ CELL_FLOOR = 0.05       # weight every found cell keeps whatever its rate (a cel
 def informative_chance(p: float, n: int, keep: int, mode: str = "roc") -> float:
     """P(a group of n rollouts, each right with probability p, is mixed after 2G -> G): the chance the step's
     dynamic sampling keeps it. With k right of n (binomial):
-      roc / topk: the wrong ones kept are floor((n - k) G / n), the right ones fill the rest: mixed iff
-                  k >= 1 and floor((n - k) G / n) >= 1 (2G -> G: k >= 1 right and >= 2 wrong)
+      roc / topk: the counts grpo_roc.roc_kept_counts keeps (the wrong ones floor((n - k) G / n), the right ones
+                  the rest): mixed iff both are >= 1 (2G -> G: k >= 1 right and >= 2 wrong)
       none:       a uniform G-subset: mixed unless all G drawn are right or all wrong,
                   1 - C(k, G) / C(n, G) - C(n - k, G) / C(n, G)"""
+    import grpo_roc
+
     total = 0.0
     for k in range(n + 1):
         if mode == "none":
             mixed = 1 - (math.comb(k, keep) + math.comb(n - k, keep)) / math.comb(n, keep)
         else:
-            wrong_kept = ((n - k) * keep) // n
-            right_kept = min(keep - wrong_kept, k)
-            mixed = float(right_kept >= 1 and keep - right_kept >= 1)
+            mixed = float(min(grpo_roc.roc_kept_counts(k, n - k, keep)) >= 1)
         total += math.comb(n, k) * p ** k * (1 - p) ** (n - k) * mixed
     return total
 
