@@ -383,6 +383,7 @@ def run_sft(model, tokenizer, cfg: SFTConfig, out_dir: Path | None, pool=None, l
 
 def main() -> None:
     import model as models
+    from sandbox import SandboxUnavailable
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=models.DEFAULT_MODEL, help="bundled smollm2-135m or a HF model directory")
@@ -398,16 +399,16 @@ def main() -> None:
         cfg = SFTConfig(**{k: v for k, v in vars(args).items() if k in SFTConfig.__dataclass_fields__})
     except ValueError as e:
         ap.error(str(e))   # usage, the message, exit 2
-    path = models.resolve_model(args.model)
-    tokenizer = models.load_tokenizer(path)
-    if args.show:
-        for t in build_sft_examples(tokenizer, args.show, cfg.seed, cfg=cfg):
-            print(f"===== {t.problem_id} ({len(t.input_ids)} tokens)\n{t.response_text}\n")
-        return
     out = Path(args.out)  # checkpoints of a run in progress: next to it, in out/../checkpoints
     try:
+        path = models.resolve_model(args.model)
+        tokenizer = models.load_tokenizer(path)
+        if args.show:
+            for t in build_sft_examples(tokenizer, args.show, cfg.seed, cfg=cfg):
+                print(f"===== {t.problem_id} ({len(t.input_ids)} tokens)\n{t.response_text}\n")
+            return
         metrics = run_sft(models.load_model(path), tokenizer, cfg, out, run_dir=out.parent)
-    except ResumeMismatch as e:
+    except (ResumeMismatch, models.ModelUnavailable, SandboxUnavailable) as e:  # what a person can act on
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -224,6 +224,20 @@ def test_sft_cli_reports_a_bad_share_without_a_traceback(tmp_path):
     assert not (tmp_path / "model").exists()
 
 
+def test_sft_cli_reports_a_missing_model_without_a_traceback(tmp_path):
+    """`python sft.py --model DIR` with no model there: one line naming the path and exit 2, as rstar2_mini.py does
+    (a traceback ended the command before), and no output directory is created."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    missing = tmp_path / "no-such-model"
+    run = subprocess.run([sys.executable, "sft.py", "--model", str(missing), "--out", str(tmp_path / "model")],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert str(missing) in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert not (tmp_path / "model").exists()
+
+
 def test_most_generated_programs_are_shallow(tokenizer, examples):
     """The share of first programs whose deepest line nests brackets 3 or more levels (the lines a 135M model
     most often closes wrongly) stays small: 34% before the programs named their result, about 15% now."""
