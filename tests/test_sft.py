@@ -225,8 +225,8 @@ def test_sft_cli_reports_a_bad_share_without_a_traceback(tmp_path):
 
 
 def test_sft_cli_reports_a_missing_model_without_a_traceback(tmp_path):
-    """`python sft.py --model DIR` with no model there: one line naming the path and exit 2, as rstar2_mini.py does
-    (a traceback ended the command before), and no output directory is created."""
+    """`python sft.py --model DIR` with no model there: one line naming the path and exit 2 (no traceback), as
+    rstar2_mini.py does, and no output directory is created."""
     import subprocess
     import sys
     root = Path(__file__).resolve().parents[1]
