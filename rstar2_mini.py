@@ -156,7 +156,7 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         for p, group in zip(problems, groups):
             all_trajs.extend(group)
             rewards = [t.reward for t in group]
-            cell = cell_name((getattr(p, "family", ""), getattr(p, "level", 0)))  # any problem-like object
+            cell = cell_name((p.family, p.level))
             right, count = by_cell.get(cell, (0, 0))
             by_cell[cell] = [right + sum(r > 0 for r in rewards), count + len(rewards)]
             if cfg.drop_all_equal and not grpo_roc.drop_uninformative([rewards])[0]:

@@ -18,6 +18,7 @@ import distributed
 import model as models
 import rstar2_mini as R
 import scheduler
+import tasks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -290,12 +291,13 @@ def test_a_group_that_roc_leaves_all_equal_is_dropped_and_more_problems_are_draw
     drawn = []
 
     def fake_groups(rt, cfg, problems, n, seed, **kw):
-        drawn.extend(problems)
-        return [[traj(p, r) for r in rewards_of[p]] for p in problems]
+        indices = [int(p.id) for p in problems]
+        drawn.extend(indices)
+        return [[traj(i, r) for r in rewards_of[i]] for i in indices]
 
     monkeypatch.setattr(R, "generate_groups", fake_groups)
     cfg = R.Config(groups_per_step=2, group_size=4, oversample=2, max_draw_rounds=3, draw_problems=0)
-    kept, stats, cursor, _ = R.select_step_batch(None, cfg, lambda i: i, 0, 0, random.Random(0))
+    kept, stats, cursor, _ = R.select_step_batch(None, cfg, lambda i: Toy(str(i), "?", "0"), 0, 0, random.Random(0))
     assert drawn == [0, 1, 2, 3]   # round 1: problems 0, 1 (one informative); round 2: 2 (none); round 3: 3
     assert stats["groups_kept"] == 2 and stats["groups_equal_after_roc"] == 1 and cursor == 4
     assert {t.problem_id for t, _ in kept} == {"p1", "p3"} and len(kept) == 8
@@ -651,11 +653,9 @@ def teach_one_tool_call(m, tokenizer, steps=120, lr=1e-2):
     assert loss < 0.05, loss
 
 
-@dataclasses.dataclass(frozen=True)
-class Toy:
-    id: str
-    question: str
-    answer: str
+def Toy(id: str, question: str, answer: str) -> tasks.Problem:
+    """A problem outside the generator (no family; level 1 by default), as a loaded data file gives."""
+    return tasks.Problem(id, question, answer)
 
 
 def tiny_config(tmp_path, **kw) -> R.Config:
