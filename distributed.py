@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 
@@ -65,11 +66,28 @@ def close_distributed() -> None:
     if DIST.world > 1:
         import torch.distributed as dist
 
-        # All ranks leave together. Without this barrier a rank aborted at its exit ("terminate called without an
-        # active exception") in about 1 of 4 runs of tests/fsdp_memory_ranks.py on an AVX512 host; with it, and the
-        # sharded model freed before the group (that script), in 0 of 16.
-        dist.barrier()
+        dist.barrier()   # all ranks leave together
         dist.destroy_process_group()
+
+
+def exit_rank(code: int):
+    """End this process with exit status `code`; a torchrun rank skips Python's interpreter teardown.
+
+    After fully_shard, destroy_process_group does not free the gloo process group: something in torch still holds
+    it, and its worker threads outlive it (they are still in /proc/self/task after a model with only its root
+    sharded is deleted and collected). Such a thread releases the last collective's tensors after the collective
+    has returned; a tensor owned by Python needs the GIL to go, and if the interpreter has begun finalizing by
+    then, the thread is unwound inside a destructor and the rank aborts: "terminate called without an active
+    exception" (gdb on the core: ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> ~AsyncAllgatherCoalescedWork ->
+    decref_pyobject -> take_gil -> pthread_exit -> std::terminate; torch PR 179291 describes the same teardown).
+    On a busy 2-core host tests/fsdp_memory_ranks.py aborted so in about 1 run of 100. os._exit leaves before the
+    teardown: everything a run writes is closed by then (checkpoints and metrics by their own `with` blocks), so
+    only the standard streams are flushed here."""
+    if DIST.world > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 @contextlib.contextmanager

@@ -132,6 +132,10 @@ def resolve_model(name_or_path: str) -> Path:
                                f"bundled SmolLM2-135M-Instruct, or a Hugging Face causal LM directory)")
     if not (path / "config.json").exists():
         raise ModelUnavailable(f"{path} is not a Hugging Face model directory (no config.json)")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        inner = path / "model"   # a run's sft/ or stage directory: its model sits in model/ beside its config.json
+        hint = f" (did you mean {inner}?)" if inner.is_dir() else ""
+        raise ModelUnavailable(f"{path} holds no model weights (*.safetensors or pytorch_model*.bin){hint}")
     return path
 
 

@@ -38,8 +38,9 @@ from pathlib import Path
 from config import (PRESETS, SANDBOX_ISOLATION_ENV, STAGES, Config, Runtime, UsageError, apply_stage,  # noqa: F401
                     coerce)
 from checkpoints import latest_checkpoint, rng_state, save_checkpoint, set_rng_state  # atomic, resumable
-from distributed import (DIST, all_ranks_sum, barrier, close_distributed, from_rank0, full_state, init_distributed,
-                         load_optimizer_state, load_trainer_state, sharded_policy_from_rank0, without_torchrun_env)
+from distributed import (DIST, all_ranks_sum, barrier, close_distributed, exit_rank, from_rank0, full_state,
+                         init_distributed, load_optimizer_state, load_trainer_state, sharded_policy_from_rank0,
+                         without_torchrun_env)
 # the update of one step (rl_update.py); its log-prob helpers are named here too, for tests and checks
 from rl_update import (bf16_option, engine_trainer_mismatch, policy_update, shared_prefix_length,  # noqa: F401
                        token_logprobs)
@@ -1045,4 +1046,4 @@ def interrupted(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())   # sys.exit, or os._exit for a torchrun rank (distributed.exit_rank)

@@ -34,5 +34,5 @@ if __name__ == "__main__":
     grads = {n: p.grad.full_tensor() for n, p in policy.named_parameters()}
     if D.DIST.rank == 0:
         torch.save(grads, out)
-    del policy, logp, grads   # the sharded model goes before its process group (distributed.close_distributed)
     D.close_distributed()
+    D.exit_rank(0)

@@ -145,3 +145,4 @@ if __name__ == "__main__":
     else:
         stage(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     D.close_distributed()
+    D.exit_rank(0)

@@ -95,3 +95,16 @@ def test_cli_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     r = run_cli("--model", str(tmp_path / "missing"), "--data", "heldout", "--limit", "1")
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_a_run_directory_given_as_the_model_names_the_model_inside_it(tmp_path):
+    """rstar2_mini's SFT output is runs/NAME/sft with the run's config.json beside model/: passing that directory
+    (a config.json, no weights) gets one line pointing at model/, not a tokenizer traceback."""
+    run = tmp_path / "sft"
+    (run / "model").mkdir(parents=True)
+    (run / "config.json").write_text('{"stage": "sft"}')
+    (run / "model" / "config.json").write_text("{}")
+    (run / "model" / "model.safetensors").write_bytes(b"")
+    r = run_cli("--model", str(run), "--data", "heldout", "--limit", "1")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "no model weights" in r.stderr and str(run / "model") in r.stderr
