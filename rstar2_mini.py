@@ -236,6 +236,10 @@ def heldout_accuracy(rt: Runtime, cfg: Config, problems) -> dict:
             "heldout_answer_format": s["answer_format_share"], "heldout_acc_by_family": s["pass@1_by_family"]}
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word[:-1]}ies" if word.endswith("y") else f"{n} {word}s"
+
+
 def heldout_report(stage: str, problems, before: dict, after: dict, trained: set, samples: int,
                    temperature: float) -> list[str]:
     """The run's last lines: held-out pass@1 before -> after RL over all families, the families trained on and
@@ -257,11 +261,12 @@ def heldout_report(stage: str, problems, before: dict, after: dict, trained: set
         return f"  {label:<34} {mb:.3f}{pm(sb)} -> {ma:.3f}{pm(sa)}   change {md:+.3f}{pm(sd)}"
 
     other = [f for f in families if f not in trained]
-    rows = [f"[stage {stage}] held-out pass@1 before -> after RL ({len(problems)} problems x {samples} samples at "
-            f"T = {temperature}; ± one standard error over problems; a change's is paired):",
+    rows = [f"[stage {stage}] held-out pass@1 before -> after RL ({len(problems)} problems x "
+            f"{plural(samples, 'sample')} at T = {temperature}; ± one standard error over problems; a change's is "
+            f"paired):",
             line(f"all {len(families)} families", lambda p: True),
-            line(f"trained on ({len(families) - len(other)} families)", lambda p: p.family in trained),
-            line(f"the other {len(other)} families", lambda p: p.family not in trained)]
+            line(f"trained on ({plural(len(families) - len(other), 'family')})", lambda p: p.family in trained),
+            line(f"the other {plural(len(other), 'family')}", lambda p: p.family not in trained)]
     rows += [line(f"{f}{' (trained on)' if f in trained else ''}", lambda p, f=f: p.family == f) for f in families]
     return [r for r in rows if r is not None]
 
@@ -350,7 +355,8 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     if lead and step == 0 and cfg.eval_problems > 0:
         before = heldout_accuracy(rt, cfg, heldout)
         log(f"[stage {stage}] held-out accuracy before RL: {before['heldout_acc']:.3f} "
-            f"± {before['heldout_acc_se'] or 0:.3f} ({cfg.eval_problems} problems x {cfg.eval_samples} samples)")
+            f"± {before['heldout_acc_se'] or 0:.3f} ({cfg.eval_problems} problems x "
+            f"{plural(cfg.eval_samples, 'sample')})")
         with metrics_path.open("a") as f:
             f.write(json.dumps({"step": 0, **before}) + "\n")
 
@@ -401,7 +407,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
                     log(text)
             elif final and cfg.eval_problems > 0:
                 log(f"[stage {stage}] held-out accuracy after step {step}: {last['heldout_acc']:.3f} "
-                    f"({cfg.eval_problems} problems x {cfg.eval_samples} samples)")
+                    f"({cfg.eval_problems} problems x {plural(cfg.eval_samples, 'sample')})")
         if step % cfg.save_every == 0 or final:  # after the metrics line: a resume drops lines past its step
             barrier()  # while rank 0 evaluates, the others wait here (gloo), not inside full_state's NCCL gather
             weights, opt_state = full_state(rt.model, optimizer)

@@ -481,9 +481,13 @@ def test_the_heldout_report_gives_each_change_its_paired_standard_error():
     assert "4 problems x 2 samples at T = 0.6" in lines[0]
     assert lines[1].split() == ["all", "2", "families", "0.500", "±", f"{se(before):.3f}", "->", "0.625", "±",
                                 f"{se(after):.3f}", "change", "+0.125", "±", f"{se(d):.3f}"]
-    assert lines[2].split()[:4] == ["trained", "on", "(1", "families)"] and "change +0.500 ± 0.000" in lines[2]
-    assert lines[3].split()[:4] == ["the", "other", "1", "families"] and "0.750" in lines[3] and "-0.250" in lines[3]
+    assert lines[2].split()[:4] == ["trained", "on", "(1", "family)"] and "change +0.500 ± 0.000" in lines[2]
+    assert lines[3].split()[:4] == ["the", "other", "1", "family"] and "0.750" in lines[3] and "-0.250" in lines[3]
     assert lines[4].split()[:3] == ["a", "(trained", "on)"] and lines[5].split()[0] == "b"
+    one = R.heldout_report("1", problems, {"heldout_acc_by_problem": before}, {"heldout_acc_by_problem": after},
+                           {"a"}, 1, 0.6)
+    assert "4 problems x 1 sample at T = 0.6" in one[0] and "trained on (1 family)" in one[2]
+    assert one[3].split()[:4] == ["the", "other", "1", "family"]
 
 
 def test_difficulty_scans_choose_the_cells_rescan_and_resume_without_a_new_scan(tmp_path, tokenizer, monkeypatch):
