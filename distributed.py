@@ -80,9 +80,9 @@ def exit_rank(code: int):
     then, the thread is unwound inside a destructor and the rank aborts: "terminate called without an active
     exception" (gdb on the core: ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> ~AsyncAllgatherCoalescedWork ->
     decref_pyobject -> take_gil -> pthread_exit -> std::terminate; torch PR 179291 describes the same teardown).
-    On a busy 2-core host tests/fsdp_memory_ranks.py aborted so in about 1 run of 100. os._exit leaves before the
-    teardown: everything a run writes is closed by then (checkpoints and metrics by their own `with` blocks), so
-    only the standard streams are flushed here."""
+    On a busy 2-core host tests/fsdp_memory_ranks.py aborted so in 2 of 115 runs (docs/design.md). os._exit
+    leaves the process before the teardown: what a run writes is closed by then (checkpoints and metrics by their
+    `with` blocks), so only the standard streams are flushed here."""
     if DIST.world > 1:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -893,6 +893,21 @@ def torchrun(*args, timeout=600):
     return done
 
 
+def test_a_rank_leaves_with_its_exit_code_and_its_output_flushed():
+    """distributed.exit_rank: a torchrun rank (world > 1) leaves by os._exit, which skips Python's flushing of
+    its standard streams, so exit_rank flushes them; one process leaves by sys.exit. Output written without a
+    newline into a pipe must arrive, and the exit status must be the one given."""
+    code = ("import sys; sys.path.insert(0, {root!r}); import distributed as D; D.DIST.world = {world}; "
+            "print('metrics written', end=''); sys.stderr.write('last words'); D.exit_rank(3)")
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}   # a pipe's usual block buffering
+    for world in (2, 1):
+        r = subprocess.run([sys.executable, "-c", code.format(root=str(ROOT), world=world)], capture_output=True,
+                           text=True, timeout=120, env=env)
+        assert (r.returncode, r.stdout, r.stderr) == (3, "metrics written", "last words"), world
+
+
 def test_fsdp_update_on_two_ranks_equals_one_process(tmp_path, tiny_model_dir, tokenizer):
     sys.path.insert(0, str(ROOT / "tests"))
     import fsdp_ranks
