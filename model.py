@@ -132,10 +132,11 @@ def resolve_model(name_or_path: str) -> Path:
                                f"bundled SmolLM2-135M-Instruct, or a Hugging Face causal LM directory)")
     if not (path / "config.json").exists():
         raise ModelUnavailable(f"{path} is not a Hugging Face model directory (no config.json)")
-    if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
-        inner = path / "model"   # a run's sft/ or stage directory: its model sits in model/ beside its config.json
-        hint = f" (did you mean {inner}?)" if inner.is_dir() else ""
-        raise ModelUnavailable(f"{path} holds no model weights (*.safetensors or pytorch_model*.bin){hint}")
+    # A run's sft/ directory holds the run's config.json beside model/. (A directory with a config.json alone is
+    # valid: the memory plan reads nothing else, and a run whose plan does not fit stops before any weight loads.)
+    weights = any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
+    if not weights and (path / "model").is_dir():
+        raise ModelUnavailable(f"{path} holds no model weights; did you mean {path / 'model'}?")
     return path
 
 
