@@ -134,9 +134,9 @@ def resolve_model(name_or_path: str) -> Path:
         raise ModelUnavailable(f"{path} is not a Hugging Face model directory (no config.json)")
     # A run's sft/ directory holds the run's config.json beside model/. (A directory with a config.json alone is
     # valid: the memory plan reads nothing else, and a run whose plan does not fit stops before any weight loads.)
-    weights = any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
-    if not weights and (path / "model").is_dir():
-        raise ModelUnavailable(f"{path} holds no model weights; did you mean {path / 'model'}?")
+    inner = path / "model"
+    if inner.is_dir() and not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        raise ModelUnavailable(f"{path} holds no model weights; did you mean {inner}?")
     return path
 
 
