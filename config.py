@@ -120,9 +120,9 @@ class Config:
 
 PRESETS = {
     # Laptop CPU, 2 cores, SmolLM2-135M: lengths and batch scaled to the machine. Measured (README, RESULTS.md): on
-    # a host with bf16 units SFT 8 min, a step (8 problems x 8 rollouts, then the update) 0.9-4.4 min with another
-    # run on the cores (median 1.8-2), the scan 3.7 min, a held-out evaluation 2.5 min: stage 1 in 66-70 min,
-    # peak 7.7 GB. On an AVX2-only host (fp32) SFT 15 min and a step 2.1-3.3 min alone (stage 1 about 1.5-2 h).
+    # a host with bf16 units, alone on the cores, SFT 8 min, a step (8 problems x 8 rollouts, then the update)
+    # 0.9-2 min (median 80 s), the scan 2.5 min, a held-out evaluation 3 min: stage 1 in 49 min, peak 7.6 GB.
+    # On an AVX2-only host (fp32) SFT 15 min and a step 2.1-3.3 min alone (stage 1 about 2 h).
     # Problems: one scan of all eleven families at the start (2 problems x 4 rollouts each, a second pass where
     # none was right); every step trains on the generator cells (family, level) the scan found right, dealt in
     # turn. A group of all-wrong rollouts has zero advantage and teaches nothing: on all eleven families

@@ -10,7 +10,8 @@ Writes docs/results-models.png (accuracy, valid tool calls, tool errors in corre
 per model), docs/results-training.png (training curves of the runs, overlaid; their held-out curve only when no
 eval result is given, so that every held-out number comes from one source) and docs/results-families.png
 (held-out pass@1 per generator family for each model, from the eval results; without any, before and after each
-run), and prints the markdown tables.
+run), and prints the markdown tables. `--wordings` also prints each run's held-out problems right before and after
+RL by family and wording (the question with its numbers as N): which phrasings a run learned.
 Several files may share a name (seeds): curves are drawn per file; tables give the mean and (min..max), the
 model plot the mean as a bar and each seed as a dot, the family plot the mean.
 The last line printed is one JSON object with every number (with eval results given, its "runs" part holds each
@@ -18,7 +19,9 @@ run's steps and wall time only: the held-out numbers are the eval results').
 """
 import argparse
 import json
+import re
 import statistics
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -65,10 +68,55 @@ def spread(values: list) -> str:
     return f"{fmt(statistics.mean(values))} ({fmt(min(values))}..{fmt(max(values))})"
 
 
+def wording(question: str) -> str:
+    """The template a generated question came from: its numbers written as N."""
+    return re.sub(r"[0-9]+", "N", question)
+
+
+def wording_counts(metrics_path: Path) -> dict[str, list]:
+    """{"family | wording": [right before RL, right after, problems]} over a run's held-out set, rebuilt from the
+    run's config.json as rstar2_mini.train_stage builds it (so the same problems in every seed). "Right" sums
+    pass@1 over the problems: a count with one sample a problem."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import tasks
+
+    cfg = json.loads((metrics_path.parent / "config.json").read_text())
+    problems = tasks.heldout_problems(cfg["eval_problems"], seed=1234, levels=tuple(cfg["levels"]),
+                                      families=cfg.get("families") or None)
+    evaluated = [r["heldout_acc_by_problem"] for r in read_jsonl(metrics_path) if "heldout_acc_by_problem" in r]
+    if len(evaluated) < 2 or len(evaluated[0]) != len(problems):
+        raise SystemExit(f"error: {metrics_path} holds no held-out evaluation of its {len(problems)} problems "
+                         f"before and after RL")
+    counts: dict[str, list] = {}
+    for p, before, after in zip(problems, evaluated[0], evaluated[-1]):
+        c = counts.setdefault(f"{p.family} | {wording(p.question)}", [0.0, 0.0, 0])
+        c[0], c[1], c[2] = c[0] + before, c[1] + after, c[2] + 1
+    return counts
+
+
+def print_wordings(by_name: dict[str, list[dict]]) -> None:
+    """One row per wording of each family that some run got right before or after RL (its wordings never right
+    included): before -> after / problems, per run."""
+    columns = [(name, i) for name, seeds in by_name.items() for i in range(len(seeds))]
+    solved = {k.split(" | ")[0] for seeds in by_name.values() for c in seeds for k, v in c.items() if v[0] or v[1]}
+    keys = sorted({k for seeds in by_name.values() for c in seeds for k in c if k.split(" | ")[0] in solved})
+    print("| family | wording | " + " | ".join(f"{n} ({i + 1})" if len(by_name[n]) > 1 else n
+                                              for n, i in columns) + " |")
+    print("|---|---|" + "---|" * len(columns))
+    for key in keys:
+        cells = []
+        for name, i in columns:
+            b, a, n = by_name[name][i].get(key, (0, 0, 0))
+            cells.append(f"{b:g} -> {a:g} / {n}")
+        print("| " + " | ".join(key.split(" | ", 1)) + " | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--eval", action="append", default=[], help="NAME=result.json written by eval.py --out")
     ap.add_argument("--run", action="append", default=[], help="NAME=metrics.jsonl of an RL stage (repeat for seeds)")
+    ap.add_argument("--wordings", action="store_true", help="also print each --run's held-out problems right "
+                    "before and after RL, by family and wording")
     ap.add_argument("--out", default="docs")
     ap.add_argument("--prefix", default="results", help="plots are written as PREFIX-models.png, PREFIX-training.png")
     args = ap.parse_args()
@@ -151,6 +199,11 @@ def main() -> None:
             families = {"before RL": [i["families_before"] for i in first]}
             families.update({name: [i["families_after"] for i in items] for name, items in per_name.items()})
             plot_families(families, out / f"{args.prefix}-families.png", report)
+        if args.wordings:
+            report["wordings"] = {}
+            for name, path in runs:
+                report["wordings"].setdefault(name, []).append(wording_counts(path))
+            print_wordings(report["wordings"])
     print(json.dumps(report))
 
 
