@@ -142,7 +142,7 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
     import grpo_roc
 
     n = cfg.group_size * cfg.oversample  # 2G rollouts per problem (paper: 32)
-    informative, drawn, all_trajs, flattened = [], 0, [], 0
+    informative, drawn, all_trajs, flattened, resampled, solved = [], 0, [], 0, 0, []
     kept, kept_pos, all_pos, dropped_pos = [], [], [], []
     by_cell = {}  # "family/Llevel" -> [right, rollouts] of this step's draw, all 2G of each problem
     for round_ in range(cfg.max_draw_rounds):
@@ -154,12 +154,16 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         cursor += need
         drawn += need
         groups = generate_groups(rt, cfg, problems, n, seed=rollout_seed("train", cfg.seed, step, round_))
-        for p, group in zip(problems, groups):
+        groups, spent = resample_all_wrong(rt, cfg, problems, groups, n, step, round_)
+        resampled += len(spent)
+        for p, group in spent + list(zip(problems, groups)):   # every rollout generated counts in the stats
             all_trajs.extend(group)
-            rewards = [t.reward for t in group]
             cell = cell_name((p.family, p.level))
             right, count = by_cell.get(cell, (0, 0))
-            by_cell[cell] = [right + sum(r > 0 for r in rewards), count + len(rewards)]
+            by_cell[cell] = [right + sum(t.reward > 0 for t in group), count + len(group)]
+        for p, group in zip(problems, groups):
+            rewards = [t.reward for t in group]
+            solved.append(1.0 if any(r > 0 for r in rewards) else 0.0)
             if cfg.drop_all_equal and not grpo_roc.drop_uninformative([rewards])[0]:
                 continue   # all right or all wrong: no signal (DAPO's dynamic sampling draws another problem)
             penalties = [grpo_roc.roc_penalty(t.tool_calls, t.tool_errors, t.answer_tags, t.turns) for t in group]
@@ -197,8 +201,8 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         "groups_equal_after_roc": flattened,                         # mixed 2G, all-equal G: dropped as well
         "reward": mean(t.reward for t in all_trajs),                 # before RoC: all 2G rollouts
         "reward_kept": mean(t.reward for t in kept_trajs),           # after RoC: the kept G
-        "accuracy": mean(1.0 if any(t.reward > 0 for t in g) else 0.0 for g in
-                         [all_trajs[i:i + n] for i in range(0, len(all_trajs), n)]),  # problems solved at least once
+        "accuracy": mean(solved),                                    # problems solved at least once
+        "problems_resampled": resampled,                             # groups all wrong, sampled again
         "tool_calls_per_traj": mean(t.tool_calls for t in all_trajs),
         "tool_error_rate": error_rate(all_trajs),
         "tool_error_rate_pos_all": error_rate([t for t, _ in all_pos]),
@@ -217,6 +221,25 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         "rollouts_by_cell": by_cell,
     }
     return kept, stats, cursor, all_trajs
+
+
+def resample_all_wrong(rt: Runtime, cfg: Config, problems, groups, n: int, step: int, round_: int):
+    """More rollouts for rare successes: a problem whose 2G rollouts are all wrong is sampled again with fresh
+    uniforms, up to cfg.retry_all_wrong times. An all-wrong group has zero advantage and is dropped; a wording the
+    policy solves 1 time in 40 is right somewhere in 8 rollouts 18% of the time, in 16 rollouts 33%
+    (1 - (39/40)^n). Returns (groups, spent): the groups to train from, and the (problem, group) pairs replaced."""
+    spent = []
+    for attempt in range(cfg.retry_all_wrong):
+        again = [k for k, g in enumerate(groups) if not any(t.reward > 0 for t in g)]
+        if not again:
+            break
+        fresh = generate_groups(rt, cfg, [problems[k] for k in again], n,
+                                seed=rollout_seed("retry", cfg.seed, step, round_ * 1000 + attempt))
+        groups = list(groups)
+        for k, group in zip(again, fresh):
+            spent.append((problems[k], groups[k]))
+            groups[k] = group
+    return groups, spent
 
 
 def heldout_accuracy(rt: Runtime, cfg: Config, problems) -> dict:

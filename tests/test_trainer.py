@@ -304,6 +304,40 @@ def test_a_group_that_roc_leaves_all_equal_is_dropped_and_more_problems_are_draw
     assert all(a != 0 for _, a in kept)
 
 
+def test_a_problem_all_wrong_is_sampled_again_and_its_second_group_trains(monkeypatch):
+    """retry_all_wrong = 1: a problem whose 2G rollouts are all wrong gets one more group of 2G, with its own seed;
+    the group that trains is the second, and both count in the step's rollouts. Without it nothing is resampled."""
+    def traj(i, r):
+        t = scheduler.Trajectory(f"p{i}", [1, 2], [scheduler.Segment([3, 4], 1)], turns=1, tool_calls=1,
+                                 answer_tags=1)
+        t.reward = r
+        return t
+
+    calls = []
+
+    def fake_groups(rt, cfg, problems, n, seed, **kw):
+        calls.append(([int(p.id) for p in problems], seed))
+        first = len(calls) == 1   # problem 0 mixed, 1 all wrong, 2 all right; the second try of 1 is mixed
+        rewards = {0: [1, 0] * 4, 1: [0] * 8 if first else [1, 1, 0, 0, 0, 0, 0, 0], 2: [1] * 8}
+        return [[traj(int(p.id), r) for r in rewards[int(p.id)]] for p in problems]
+
+    monkeypatch.setattr(R, "generate_groups", fake_groups)
+    for retries, want_calls, want_kept in [(0, 1, {"p0"}), (1, 2, {"p0", "p1"})]:
+        calls.clear()
+        cfg = R.Config(groups_per_step=3, group_size=4, oversample=2, max_draw_rounds=1, draw_problems=3,
+                       retry_all_wrong=retries)
+        kept, stats, cursor, rollouts = R.select_step_batch(None, cfg, lambda i: Toy(str(i), "?", "0"), 0, 5,
+                                                            random.Random(0))
+        assert len(calls) == want_calls and calls[0][0] == [0, 1, 2] and cursor == 3
+        assert {t.problem_id for t, _ in kept} == want_kept and stats["groups_kept"] == len(want_kept)
+        assert len(rollouts) == 8 * (2 + want_calls) and stats["problems_drawn"] == 3
+        if retries:
+            assert calls[1][0] == [1] and calls[1][1] != calls[0][1]        # the same problem, other uniforms
+            assert stats["problems_resampled"] == 1
+            assert stats["reward"] == (4 + 0 + 8 + 2) / 32                   # every rollout generated counts
+            assert [a > 0 for t, a in kept if t.problem_id == "p1"].count(True) >= 1
+
+
 def test_stage3_resume_takes_the_hard_subset_from_the_checkpoint(monkeypatch):
     """A resumed stage 3 trains on the subset it started with; only a fresh stage 3 scans."""
     monkeypatch.setattr(R, "hard_subset", lambda rt, cfg, problem_at: [3, 5, 8])
