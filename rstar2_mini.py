@@ -110,7 +110,7 @@ def rollout_config(cfg: Config, temperature: float | None = None, max_turns: int
 
 def rollout_seed(use: str, seed: int, step: int = 0, round_: int = 0) -> int:
     """The seed one use of rollouts hands run_rollouts: "train" (a step's draw round), "scan" (a difficulty scan),
-    "heldout", "hard" (stage 3's scan). Each request's generator comes from (this seed, problem index, sample
+    "heldout", "hard" (stage 3's scan), "retry" (a problem sampled again: resample_all_wrong). Each request's generator comes from (this seed, problem index, sample
     index, turn) (engines.request_seed), so two uses with one seed draw the same uniforms for their k-th problems;
     the use in the hash keeps their streams apart (seed * 100_003 + step * 101 + round and seed * 7919 + step
     both gave 0 to the step-0 training rollouts and scan at seed 0)."""
@@ -199,7 +199,7 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         "groups_dropped": drawn - len(informative),
         "groups_dropped_frac": (drawn - len(informative)) / drawn if drawn else 0.0,
         "groups_equal_after_roc": flattened,                         # mixed 2G, all-equal G: dropped as well
-        "reward": mean(t.reward for t in all_trajs),                 # before RoC: all 2G rollouts
+        "reward": mean(t.reward for t in all_trajs),                 # before RoC: all rollouts (resampled too)
         "reward_kept": mean(t.reward for t in kept_trajs),           # after RoC: the kept G
         "accuracy": mean(solved),                                    # problems solved at least once
         "problems_resampled": resampled,                             # groups all wrong, sampled again
