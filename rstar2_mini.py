@@ -112,9 +112,9 @@ def rollout_seed(use: str, seed: int, step: int = 0, round_: int = 0) -> int:
     """The seed one use of rollouts hands run_rollouts: "train" (a step's draw round), "scan" (a difficulty scan),
     "heldout", "hard" (stage 3's scan), "retry" (a problem sampled again: resample_all_wrong). Each request's
     generator comes from (this seed, problem index, sample index, turn) (engines.request_seed), so two uses with one
-    seed draw the same uniforms for their k-th problems;
-    the use in the hash keeps their streams apart (seed * 100_003 + step * 101 + round and seed * 7919 + step
-    both gave 0 to the step-0 training rollouts and scan at seed 0)."""
+    seed draw the same uniforms for their k-th problems; the use in the hash keeps their streams apart (seed *
+    100_003 + step * 101 + round and seed * 7919 + step both gave 0 to the step-0 training rollouts and scan at
+    seed 0)."""
     import hashlib
 
     digest = hashlib.sha256(f"{use}:{seed}:{step}:{round_}".encode()).digest()
