@@ -145,7 +145,7 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
     n = cfg.group_size * cfg.oversample  # 2G rollouts per problem (paper: 32)
     informative, drawn, all_trajs, flattened, resampled, solved = [], 0, [], 0, 0, []
     kept, kept_pos, all_pos, dropped_pos = [], [], [], []
-    by_cell = {}  # "family/Llevel" -> [right, rollouts] of this step's draw, all 2G of each problem
+    by_cell = {}  # "family/Llevel" -> [right, rollouts] of this step's draw: all rollouts, resampled ones too
     for round_ in range(cfg.max_draw_rounds):
         need = cfg.groups_per_step - len(informative)
         if need <= 0:
@@ -229,14 +229,13 @@ def resample_all_wrong(rt: Runtime, cfg: Config, problems, groups, n: int, step:
     uniforms, up to cfg.retry_all_wrong times. An all-wrong group has zero advantage and is dropped; a wording the
     policy solves 1 time in 40 is right somewhere in 8 rollouts 18% of the time, in 16 rollouts 33%
     (1 - (39/40)^n). Returns (groups, spent): the groups to train from, and the (problem, group) pairs replaced."""
-    spent = []
+    groups, spent = list(groups), []
     for attempt in range(cfg.retry_all_wrong):
         again = [k for k, g in enumerate(groups) if not any(t.reward > 0 for t in g)]
         if not again:
             break
         fresh = generate_groups(rt, cfg, [problems[k] for k in again], n,
                                 seed=rollout_seed("retry", cfg.seed, step, round_ * 1000 + attempt))
-        groups = list(groups)
         for k, group in zip(again, fresh):
             spent.append((problems[k], groups[k]))
             groups[k] = group

@@ -278,22 +278,23 @@ def test_pack_micro_batches_respects_token_budget():
 # The step's batch: a group is informative when its kept G differ in reward (after RoC, not before)
 
 
+def graded_traj(i, r):
+    """A one-turn trajectory of problem p{i} with reward r (one tool call, answer tags): for batch selection."""
+    t = scheduler.Trajectory(f"p{i}", [1, 2], [scheduler.Segment([3, 4], 1)], turns=1, tool_calls=1, answer_tags=1)
+    t.reward = r
+    return t
+
+
 def test_a_group_that_roc_leaves_all_equal_is_dropped_and_more_problems_are_drawn(tmp_path, monkeypatch):
     """2G = 8 with one wrong rollout keeps floor(1/2) = 0 of it: the kept G = 4 are all right, zero advantage. Such
     a group must not count toward groups_per_step (dynamic sampling draws on) nor reach the loss."""
-    def traj(i, r):
-        t = scheduler.Trajectory(f"p{i}", [1, 2], [scheduler.Segment([3, 4], 1)], turns=1, tool_calls=1,
-                                 answer_tags=1)
-        t.reward = r
-        return t
-
     rewards_of = {0: [1] * 7 + [0], 1: [1, 0] * 4, 2: [0] * 8, 3: [1, 1, 0, 0, 0, 0, 1, 0]}
     drawn = []
 
     def fake_groups(rt, cfg, problems, n, seed, **kw):
         indices = [int(p.id) for p in problems]
         drawn.extend(indices)
-        return [[traj(i, r) for r in rewards_of[i]] for i in indices]
+        return [[graded_traj(i, r) for r in rewards_of[i]] for i in indices]
 
     monkeypatch.setattr(R, "generate_groups", fake_groups)
     cfg = R.Config(groups_per_step=2, group_size=4, oversample=2, max_draw_rounds=3, draw_problems=0)
@@ -307,19 +308,13 @@ def test_a_group_that_roc_leaves_all_equal_is_dropped_and_more_problems_are_draw
 def test_a_problem_all_wrong_is_sampled_again_and_its_second_group_trains(monkeypatch):
     """retry_all_wrong = 1: a problem whose 2G rollouts are all wrong gets one more group of 2G, with its own seed;
     the group that trains is the second, and both count in the step's rollouts. Without it nothing is resampled."""
-    def traj(i, r):
-        t = scheduler.Trajectory(f"p{i}", [1, 2], [scheduler.Segment([3, 4], 1)], turns=1, tool_calls=1,
-                                 answer_tags=1)
-        t.reward = r
-        return t
-
     calls = []
 
     def fake_groups(rt, cfg, problems, n, seed, **kw):
         calls.append(([int(p.id) for p in problems], seed))
         first = len(calls) == 1   # problem 0 mixed, 1 all wrong, 2 all right; the second try of 1 is mixed
         rewards = {0: [1, 0] * 4, 1: [0] * 8 if first else [1, 1, 0, 0, 0, 0, 0, 0], 2: [1] * 8}
-        return [[traj(int(p.id), r) for r in rewards[int(p.id)]] for p in problems]
+        return [[graded_traj(int(p.id), r) for r in rewards[int(p.id)]] for p in problems]
 
     monkeypatch.setattr(R, "generate_groups", fake_groups)
     for retries, want_calls, want_kept in [(0, 1, {"p0"}), (1, 2, {"p0", "p1"})]:
