@@ -56,6 +56,7 @@ class Config:
     oversample: int = 2               # 2G rollouts are sampled (paper: 32 -> 16)
     max_draw_rounds: int = 2          # dynamic sampling: at most this many rounds of drawing problems a step
     retry_all_wrong: int = 0          # a problem whose 2G rollouts are all wrong is sampled again, this many times
+                                      # =1 over three CPU seeds: trained families +0.039, not adopted (docs/design.md)
     draw_problems: int = 0            # problems drawn per round at least (0: just the groups still missing)
     max_turns: int = 10               # paper: 10 (stages 1-2), 15 (stage 3), 30 (evaluation)
     max_response_tokens: int = 8192   # paper: 8K (stage 1), 12K (stages 2-3); tool tokens count toward it
