@@ -3,8 +3,8 @@
 The paper's cold start teaches the tool-call format, not math reasoning. An SFT model that has only seen
 `print(a * b)` is right on none of tasks.py's families but products, and RL learns nothing from a family it never
 gets right (RESULTS.md). The chores here teach the tools those families need - loops over ranges, math.comb /
-math.perm, sympy's functions, int(text, base), numbers read out of a sentence - in everyday settings, never the
-families' own questions. Same shape as chores.py:
+math.perm, sympy's functions, int(text, base), numbers read out of a sentence, sums written with dots - in
+everyday settings, never the families' own questions. Same shape as chores.py:
 
     MATH_CHORES[i](rng) -> chores.Chore (question, expected stdout, programs in several styles)
     CHORES: the SFT's default mix = chores.EVERYDAY_CHORES + about a quarter of these (range loops the most)
@@ -248,11 +248,31 @@ def base_display(rng):
                   f"value = 0\nfor digit in '{digits}':\n    value = {base} * value + int(digit)\nprint(value)"])
 
 
+def dotted_sum(rng):
+    """A sum written with dots, "a^2 + (a+1)^2 + ... + b^2": the dots stand for every term between, a loop over
+    range(a, b + 1). A model that copies such a sum into Python adds an int to Python's Ellipsis (a TypeError)."""
+    a = rng.randint(1, 60)
+    b = a + rng.randint(8, 120)
+    power = rng.choice([1, 2, 2, 3])
+    term = (lambda k: str(k)) if power == 1 else (lambda k: f"{k}^{power}")
+    dots = f"{term(a)} + {term(a + 1)} + ... + {term(b)}"
+    setting = rng.choice(["A pyramid of oranges holds {s} oranges, layer by layer.",
+                          "Over the days a savings jar gets {s} coins.", "A tower is built of {s} blocks.",
+                          "The rows of a mosaic use {s} tiles."])
+    q = setting.format(s=dots) + rng.choice([" How many is that in all?", " What is the total?",
+                                             " How many are there altogether?"])
+    k = "k" if power == 1 else f"k**{power}"
+    return Chore(f"add up {term('k')} for every k from {a} to {b}", q, str(sum(n**power for n in range(a, b + 1))),
+                 [f"print(sum({k} for k in range({a}, {b} + 1)))",
+                  f"total = 0\nfor k in range({a}, {b + 1}):\n    total += {k}\nprint(total)",
+                  f"terms = [{k} for k in range({a}, {b + 1})]\nresult = sum(terms)\nprint(result)"])
+
+
 # The default mix: every everyday chore, then the everyday Python of math, about a quarter of the chores (loops over
 # ranges the most: most families need one). The order is the draw's: CHORES[i] of a seed is the same chore always.
 CHORES = EVERYDAY_CHORES + [range_count, range_count, range_total, range_total, choose_ways, choose_ways, sympy_chore,
-                            sympy_chore, hex_color, number_in_sentence, number_in_sentence]
+                            sympy_chore, hex_color, number_in_sentence, number_in_sentence, dotted_sum, dotted_sum]
 # The everyday-math chores once each, with three that CHORES lacks (digit sums, sums of powers, any base): drawn
 # with probability SFTConfig.math_share when it is set, the rest of the tool examples from EVERYDAY_CHORES.
-MATH_CHORES = [range_count, range_total, choose_ways, sympy_chore, hex_color, number_in_sentence, digit_check,
-               layer_blocks, base_display]
+MATH_CHORES = [range_count, range_total, choose_ways, sympy_chore, hex_color, number_in_sentence, dotted_sum,
+               digit_check, layer_blocks, base_display]
