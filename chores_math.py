@@ -3,12 +3,13 @@
 The paper's cold start teaches the tool-call format, not math reasoning. An SFT model that has only seen
 `print(a * b)` is right on none of tasks.py's families but products, and RL learns nothing from a family it never
 gets right (RESULTS.md). The chores here teach the tools those families need - loops over ranges, math.comb /
-math.perm, sympy's functions, int(text, base), numbers read out of a sentence, sums written with dots - in
-everyday settings, never the families' own questions. Same shape as chores.py:
+math.perm, sympy's functions, int(text, base), numbers read out of a sentence - in everyday settings, never the
+families' own questions. Same shape as chores.py:
 
     MATH_CHORES[i](rng) -> chores.Chore (question, expected stdout, programs in several styles)
     CHORES: the SFT's default mix = chores.EVERYDAY_CHORES + about a quarter of these (range loops the most)
       -> sft_data.py drafts examples, runs every program in the sandbox -> sft.py trains on them
+    EXTRA_CHORES: chores measured outside the default mix, added by name (chore_mix; SFTConfig.extra_chores)
 """
 from __future__ import annotations
 
@@ -271,8 +272,21 @@ def dotted_sum(rng):
 # The default mix: every everyday chore, then the everyday Python of math, about a quarter of the chores (loops over
 # ranges the most: most families need one). The order is the draw's: CHORES[i] of a seed is the same chore always.
 CHORES = EVERYDAY_CHORES + [range_count, range_count, range_total, range_total, choose_ways, choose_ways, sympy_chore,
-                            sympy_chore, hex_color, number_in_sentence, number_in_sentence, dotted_sum, dotted_sum]
+                            sympy_chore, hex_color, number_in_sentence, number_in_sentence]
 # The everyday-math chores once each, with three that CHORES lacks (digit sums, sums of powers, any base): drawn
 # with probability SFTConfig.math_share when it is set, the rest of the tool examples from EVERYDAY_CHORES.
-MATH_CHORES = [range_count, range_total, choose_ways, sympy_chore, hex_color, number_in_sentence, dotted_sum,
-               digit_check, layer_blocks, base_display]
+MATH_CHORES = [range_count, range_total, choose_ways, sympy_chore, hex_color, number_in_sentence, digit_check,
+               layer_blocks, base_display]
+# Chores outside both lists, added to the default mix by name (SFTConfig.extra_chores; docs/design.md, "Sums
+# written with dots").
+EXTRA_CHORES = {"dotted_sum": dotted_sum}
+
+
+def chore_mix(extra: str = "") -> list:
+    """CHORES, then each chore named in `extra` (comma-separated EXTRA_CHORES names) twice, the weight of the range
+    loops. Appended at the end, so a draw that picks an index below len(CHORES) picks the same chore as without."""
+    names = [n.strip() for n in extra.split(",") if n.strip()]
+    unknown = [n for n in names if n not in EXTRA_CHORES]
+    if unknown:
+        raise ValueError(f"extra_chores: unknown chore {', '.join(unknown)}; known: {', '.join(EXTRA_CHORES)}")
+    return CHORES + [EXTRA_CHORES[n] for n in names for _ in range(2)]

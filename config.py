@@ -117,6 +117,7 @@ class Config:
     sft_epochs: int = 1
     sft_lr: float = 2e-4
     sft_batch: int = 8
+    sft_extra_chores: str = ""        # chores added to the SFT's mix, e.g. dotted_sum (sft_config.extra_chores)
     deterministic: bool = False       # barrier-synchronised rollouts: bit-identical reruns, less overlap
 
 

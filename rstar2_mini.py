@@ -818,7 +818,7 @@ def run_sft_stage(cfg: Config, base_model: Path) -> Path:
     else:
         policy = models.load_model(base_model, dtype=torch.float32, device=device)
     scfg = sft.SFTConfig(n_examples=cfg.sft_examples, epochs=cfg.sft_epochs, lr=cfg.sft_lr,
-                         batch_size=cfg.sft_batch, seed=cfg.seed)
+                         batch_size=cfg.sft_batch, extra_chores=cfg.sft_extra_chores, seed=cfg.seed)
     try:  # starts its own sandbox pool (rank 0); an interrupted SFT's weights replace the base model's
         metrics = sft.run_sft(policy, tokenizer, scfg, ckpt, log=log, run_dir=d)
     except sft.ResumeMismatch as e:
@@ -966,6 +966,12 @@ def parse_args(argv=None) -> Config:
         raise UsageError(f"--set cell_sampling={cfg.cell_sampling}: choose turn or learnability")
     if cfg.sandbox_isolation not in ("auto", "none", "userns"):
         raise UsageError(f"sandbox isolation {cfg.sandbox_isolation!r}: choose auto or none")
+    from sft_config import SFTConfig
+
+    try:  # an unknown SFT chore: before anything runs
+        SFTConfig(extra_chores=cfg.sft_extra_chores)
+    except ValueError as e:
+        raise UsageError(f"--set sft_extra_chores: {e}") from None
     import tasks
 
     try:  # unknown generator levels or families: one clear line now, not a traceback inside step 1

@@ -391,7 +391,7 @@ def main() -> None:
                     "checkpoints go to its parent folder, and the same command continues from them)")
     ap.add_argument("--show", type=int, default=0, help="only print K generated examples and exit")
     for f in SFTConfig.__dataclass_fields__.values():
-        if f.type in ("int", "float", "str | None", "int | None", "float | None"):
+        if f.type in ("int", "float", "str", "str | None", "int | None", "float | None"):
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(f.type, str)
             ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f"default {f.default}")
     args = ap.parse_args()

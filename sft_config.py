@@ -24,6 +24,8 @@ class SFTConfig:
     math_share: float | None = None  # None: the preset's mix (chores_math.CHORES, a quarter everyday-math chores);
                                      # a share: tool examples drawn from chores_math.MATH_CHORES (three more kinds)
                                      # with this probability, else from EVERYDAY_CHORES (0.5: docs/design.md)
+    extra_chores: str = ""           # chores_math.EXTRA_CHORES added twice each to the preset's mix, comma-
+                                     # separated ("dotted_sum": sums written a^2 + ... + b^2; docs/design.md)
     data_jsonl: str | None = None    # extra chat examples {"messages": [...]} (real function-calling sets on GPU)
     epochs: int = 1                  # paper: 3 (over 222K examples); one pass over a small varied set here
     lr: float = 2e-4                 # paper: 5e-6 for a 14B model; a 135M model needs a larger step
@@ -60,3 +62,8 @@ class SFTConfig:
             share = getattr(self, name)
             if share is not None and not 0.0 <= share <= 1.0:
                 raise ValueError(f"{name}={share}: a share is a probability, between 0 and 1")
+        if self.extra_chores:   # an unknown chore name: one clear line now, not a KeyError while drafting
+            from chores_math import chore_mix
+            chore_mix(self.extra_chores)
+            if self.math_share is not None:
+                raise ValueError("extra_chores adds to the preset's mix, which math_share replaces: set one of them")

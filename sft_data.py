@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chores import EVERYDAY_CHORES, chore_programs, direct_example
-from chores_math import CHORES, MATH_CHORES
+from chores_math import MATH_CHORES, chore_mix
 from scheduler import (IM_END, IM_START, TOOL_NAME, Segment, Trajectory, encode, encode_tool_response,
                        render_prompt, tool_response_text)
 from sft_config import SFTConfig
@@ -128,7 +128,7 @@ def draft_example(seed: int, index: int, cfg: SFTConfig) -> Draft:
         q, reason, a = direct_example(rng)
         return Draft(f"sft-{index}-direct", q, a, final=answer_turn(rng, reason, a))
     if cfg.math_share is None:
-        chore = rng.choice(CHORES)(rng)
+        chore = rng.choice(chore_mix(cfg.extra_chores))(rng)
     else:
         chore = rng.choice(MATH_CHORES if rng.random() < cfg.math_share else EVERYDAY_CHORES)(rng)
     programs = [(name_the_result(code) if rng.random() < cfg.name_share else code, stdin)

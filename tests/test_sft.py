@@ -157,9 +157,9 @@ def test_a_draft_depends_only_on_its_seed_and_index():
 
 
 def test_the_added_math_chores_are_right_by_an_independent_count():
-    """digit_check, layer_blocks and base_display: every program prints the answer, and the answer agrees with a
-    count done another way here (digits by divmod, sums of powers by Faulhaber's closed forms, the numeral's digits
-    times powers of its base)."""
+    """digit_check, layer_blocks, dotted_sum and base_display: every program prints the answer, and the answer
+    agrees with a count done another way here (digits by divmod, sums of powers by Faulhaber's closed forms, the
+    numeral's digits times powers of its base)."""
     import random
     import re as regex
 
@@ -177,12 +177,20 @@ def test_the_added_math_chores_are_right_by_an_independent_count():
         cubes = lambda m: (m * (m + 1) // 2) ** 2             # noqa: E731 - sum of k^3 for k = 1..m
         closed = squares if "square" in chore.question else cubes
         assert chore.answer == str(closed(b) - closed(a - 1)), chore.question
+        chore = chores.dotted_sum(random.Random(seed))   # "a^p + (a+1)^p + ... + b^p", p = 1 written "a + ..."
+        first, second, last = regex.search(r"(\S+) \+ (\S+) \+ \.\.\. \+ (\S+) ", chore.question).groups()
+        a, p = (int(x) for x in (first.split("^") + ["1"])[:2])
+        b = int(last.split("^")[0])
+        linear = lambda m: m * (m + 1) // 2                   # noqa: E731 - sum of k for k = 1..m
+        closed = {1: linear, 2: squares, 3: cubes}[p]
+        assert second == (f"{a + 1}^{p}" if p > 1 else str(a + 1)) and b > a, chore.question
+        assert chore.answer == str(closed(b) - closed(a - 1)), chore.question
         chore = chores.base_display(random.Random(seed))
         base = int(regex.search(r"base[- ](\d)", chore.question).group(1))
         numeral = regex.search(r"(?:display|reads) (\d+)", chore.question).group(1)
         assert max(numeral) < str(base) and not numeral.startswith("0"), chore.question
         assert chore.answer == str(sum(int(d) * base**i for i, d in enumerate(reversed(numeral)))), chore.question
-        for fn in (chores.digit_check, chores.layer_blocks, chores.base_display):
+        for fn in (chores.digit_check, chores.layer_blocks, chores.dotted_sum, chores.base_display):
             c = fn(random.Random(seed))
             for code, stdin in chore_programs(c):
                 assert run_here(code, stdin).strip() == c.answer, (c.question, code)
@@ -192,14 +200,44 @@ def test_math_share_draws_the_math_chores_with_that_probability(monkeypatch):
     """math_share=None keeps the preset's mix (CHORES); a share p draws a tool example from MATH_CHORES with
     probability p, else from EVERYDAY_CHORES (a binomial count over 400 drafts; each list is replaced by one chore
     that names its list)."""
+    import chores_math
     from chores import Chore
-    for name in ("CHORES", "MATH_CHORES", "EVERYDAY_CHORES"):
-        monkeypatch.setattr(sft_data, name, [lambda rng, n=name: Chore(n, "What is 1 + 1?", "2", ["print(1 + 1)"])])
+    for name in ("CHORES", "MATH_CHORES", "EVERYDAY_CHORES"):   # CHORES is read through chores_math.chore_mix
+        monkeypatch.setattr(chores_math if name == "CHORES" else sft_data, name,
+                            [lambda rng, n=name: Chore(n, "What is 1 + 1?", "2", ["print(1 + 1)"])])
     for share, lo, hi in ((None, 0.0, 0.0), (1.0, 1.0, 1.0), (0.5, 0.43, 0.57), (0.0, 0.0, 0.0)):
         drafts = [sft_data.draft_example(0, i, sft.SFTConfig(math_share=share)) for i in range(400)]
         lists = [d.id.split("-")[2] for d in drafts if not d.id.endswith("-direct")]
         assert set(lists) <= ({"CHORES"} if share is None else {"MATH_CHORES", "EVERYDAY_CHORES"}), share
         assert lo <= lists.count("MATH_CHORES") / len(lists) <= hi, share
+
+
+def test_extra_chores_add_to_the_preset_mix_and_change_no_other_draw():
+    """extra_chores="dotted_sum" appends that chore twice to CHORES: every draft is either the preset's own draft
+    of that (seed, index) or a sum written with dots, 2 in 47 of the 95% tool examples (a binomial count over 1000
+    drafts: 40 expected, 22-60 within about three standard deviations), and the preset never writes one."""
+    preset, extra = sft.SFTConfig(), sft.SFTConfig(extra_chores="dotted_sum")
+    dotted = 0
+    for i in range(1000):
+        mine, theirs = sft_data.draft_example(0, i, extra), sft_data.draft_example(0, i, preset)
+        assert " + ... + " not in theirs.question
+        if (mine.question, mine.calls) != (theirs.question, theirs.calls):
+            assert " + ... + " in mine.question and "range(" in mine.calls[-1][1], mine.question
+            dotted += 1
+    assert 22 <= dotted <= 60, dotted
+
+
+def test_an_unknown_extra_chore_or_one_beside_math_share_is_refused():
+    """A name chores_math.EXTRA_CHORES lacks: one line naming it and the known ones (from the config, from
+    rstar2_mini's --set as a usage error); with math_share, which replaces the mix extra_chores adds to: refused."""
+    import rstar2_mini
+    with pytest.raises(ValueError, match="unknown chore dotted_sums; known: dotted_sum"):
+        sft.SFTConfig(extra_chores="dotted_sums")
+    with pytest.raises(ValueError, match="set one of them"):
+        sft.SFTConfig(extra_chores="dotted_sum", math_share=0.5)
+    with pytest.raises(rstar2_mini.UsageError, match="sft_extra_chores.*unknown chore nope"):
+        rstar2_mini.parse_args(["--set", "sft_extra_chores=nope"])
+    assert rstar2_mini.parse_args(["--set", "sft_extra_chores=dotted_sum"]).sft_extra_chores == "dotted_sum"
 
 
 @pytest.mark.parametrize("field,value", [("math_share", 1.5), ("math_share", -0.1), ("direct_share", 2.0),
