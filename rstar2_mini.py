@@ -44,8 +44,8 @@ from distributed import (DIST, all_ranks_sum, barrier, close_distributed, exit_r
 # the update of one step (rl_update.py); its log-prob helpers are named here too, for tests and checks
 from rl_update import (bf16_option, engine_trainer_mismatch, policy_update, shared_prefix_length,  # noqa: F401
                        token_logprobs)
-from run_files import (peak_memory_gb, plot_curves, prepare_run_dir, reset_peak_memory, stage_dir,
-                       write_json_atomic, write_samples)
+from run_files import (peak_memory_gb, plot_curves, prepare_run_dir, reset_peak_memory, saved_setting,
+                       stage_dir, write_json_atomic, write_samples)
 
 # OpenMP threads that wait for each other sleep instead of spinning. Beside any other busy process (sandbox workers,
 # another program) spinning made CPU steps several times slower than their share of the cores (docs/contention.md,
@@ -833,8 +833,9 @@ def check_sft_settings(cfg: Config, d: Path, interrupted: bool) -> None:
     mine = dataclasses.asdict(cfg) | {"stage": "sft"}
     if interrupted and (d / "config.json").exists():
         theirs = json.loads((d / "config.json").read_text())
-        keys = ("model", "seed", "sft_examples", "sft_epochs", "sft_lr", "sft_batch")  # what makes the SFT
-        diff = ", ".join(f"{k}: {theirs.get(k)!r} -> {mine[k]!r}" for k in keys if theirs.get(k) != mine[k])
+        keys = ("model", "seed", "sft_examples", "sft_epochs", "sft_lr", "sft_batch", "sft_extra_chores")  # the SFT's
+        diff = ", ".join(f"{k}: {saved_setting(theirs, k)!r} -> {mine[k]!r}" for k in keys
+                         if saved_setting(theirs, k) != mine[k])
         if diff:
             raise UsageError(f"{d} holds an interrupted SFT with other settings ({diff}): run with those to "
                              f"continue it, or pass --out NEW_DIR")

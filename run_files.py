@@ -53,6 +53,14 @@ def comparable(cfg_dict: dict) -> dict:
     return {k: v for k, v in cfg_dict.items() if k not in ignore}
 
 
+def saved_setting(saved: dict, key: str):
+    """A setting from a run's config.json; one the run predates (a Config field added since) held its default."""
+    if key in saved:
+        return saved[key]
+    field = Config.__dataclass_fields__.get(key)
+    return field.default if field is not None and field.default is not dataclasses.MISSING else None
+
+
 def prepare_run_dir(cfg: Config, stage: str) -> Path:
     """Create the stage directory, or refuse one that holds another run (nothing already written is lost)."""
     d = stage_dir(cfg, stage)
@@ -67,8 +75,8 @@ def prepare_run_dir(cfg: Config, stage: str) -> Path:
         if not cfg.resume:
             raise UsageError(f"{d} already holds a run; pass --resume to continue it or --out NEW_DIR to start "
                              f"another")
-        diff = {k: (theirs.get(k), v) for k, v in comparable(mine).items()
-                if json.dumps(theirs.get(k)) != json.dumps(v)}
+        diff = {k: (saved_setting(theirs, k), v) for k, v in comparable(mine).items()
+                if json.dumps(saved_setting(theirs, k)) != json.dumps(v)}
         if diff:
             shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items()))
             raise UsageError(f"{d} holds another run ({shown}); resume with its settings or use another --out")

@@ -902,6 +902,23 @@ def test_cli_refuses_a_directory_that_holds_another_run(tmp_path, tiny_model_dir
     assert json.loads((d / "metrics.jsonl").read_text()) == {"step": 1, "reward": 0.5}
 
 
+
+def test_a_run_saved_before_a_setting_existed_resumes_with_that_settings_default(tmp_path):
+    """The config.json of a run started before a Config field was added lacks the field: the run held its default,
+    so --resume with the default continues it, and another value is refused (sft_extra_chores came after runs)."""
+    import run_files
+    cfg = R.parse_args(["--out", str(tmp_path / "run"), "--resume"])
+    d = run_files.stage_dir(cfg, "1")
+    d.mkdir(parents=True)
+    saved = dataclasses.asdict(cfg) | {"stage": "1"}
+    del saved["sft_extra_chores"]
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    (d / "config.json").write_text(json.dumps(saved, default=str))
+    other = R.parse_args(["--out", str(tmp_path / "run"), "--resume", "--set", "sft_extra_chores=dotted_sum"])
+    with pytest.raises(R.UsageError, match="sft_extra_chores: '' -> 'dotted_sum'"):
+        run_files.prepare_run_dir(other, "1")
+    assert run_files.prepare_run_dir(cfg, "1") == d   # the default: the same run, continued
+
 # ---------------------------------------------------------------------------------------------------------
 # Several GPUs: the FSDP2 path, run here on 2 CPU ranks (gloo over 127.0.0.1) under torchrun
 
