@@ -277,8 +277,8 @@ CHORES = EVERYDAY_CHORES + [range_count, range_count, range_total, range_total, 
 # with probability SFTConfig.math_share when it is set, the rest of the tool examples from EVERYDAY_CHORES.
 MATH_CHORES = [range_count, range_total, choose_ways, sympy_chore, hex_color, number_in_sentence, digit_check,
                layer_blocks, base_display]
-# Chores outside both lists, added to the default mix by name (SFTConfig.extra_chores; docs/design.md, "Sums
-# written with dots").
+# Chores outside both lists, added to the default mix by name (SFTConfig.extra_chores; measured in docs/design.md,
+# "Sums written with dots, as an SFT chore").
 EXTRA_CHORES = {"dotted_sum": dotted_sum}
 
 

@@ -833,7 +833,8 @@ def check_sft_settings(cfg: Config, d: Path, interrupted: bool) -> None:
     mine = dataclasses.asdict(cfg) | {"stage": "sft"}
     if interrupted and (d / "config.json").exists():
         theirs = json.loads((d / "config.json").read_text())
-        keys = ("model", "seed", "sft_examples", "sft_epochs", "sft_lr", "sft_batch", "sft_extra_chores")  # the SFT's
+        # what makes the SFT (a key a run predates: its default, run_files.saved_setting)
+        keys = ("model", "seed", "sft_examples", "sft_epochs", "sft_lr", "sft_batch", "sft_extra_chores")
         diff = ", ".join(f"{k}: {saved_setting(theirs, k)!r} -> {mine[k]!r}" for k in keys
                          if saved_setting(theirs, k) != mine[k])
         if diff:
