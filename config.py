@@ -56,7 +56,7 @@ class Config:
     oversample: int = 2               # 2G rollouts are sampled (paper: 32 -> 16)
     max_draw_rounds: int = 2          # dynamic sampling: at most this many rounds of drawing problems a step
     retry_all_wrong: int = 0          # a problem whose 2G rollouts are all wrong is sampled again, this many times
-                                      # =1 over three CPU seeds: trained families +0.039, not adopted (docs/design.md)
+                                      # (the CPU preset: 1, with 40 steps; docs/design.md, "The retry option")
     draw_problems: int = 0            # problems drawn per round at least (0: just the groups still missing)
     max_turns: int = 10               # paper: 10 (stages 1-2), 15 (stage 3), 30 (evaluation)
     max_response_tokens: int = 8192   # paper: 8K (stage 1), 12K (stages 2-3); tool tokens count toward it
@@ -124,7 +124,8 @@ class Config:
 PRESETS = {
     # Laptop CPU, 2 cores, SmolLM2-135M: lengths and batch scaled to the machine. Measured (README, RESULTS.md): on
     # a host with bf16 units, alone on the cores, SFT 8 min, a step (8 problems x 8 rollouts, then the update)
-    # 0.9-2 min (median 80 s), the scan 2.5 min, a held-out evaluation 3 min: stage 1 in 49 min, peak 7.6 GB.
+    # 0.9-2 min (median 80 s), the scan 2.5 min, a held-out evaluation 3 min: 30 steps in 49 min, peak 7.6 GB;
+    # 40 steps with the retry: about 1.5 h on a slower day of the same host (an estimate: README).
     # On an AVX2-only host (fp32) SFT 15 min and a step 2.1-3.3 min alone (stage 1 about 2 h).
     # Problems: one scan of all eleven families at the start (2 problems x 4 rollouts each, a second pass where
     # none was right); every step trains on the generator cells (family, level) the scan found right, dealt in
@@ -132,7 +133,10 @@ PRESETS = {
     # unscanned, 7 of 8 groups per step were dropped (RESULTS.md).
     # steps=30, scan_every=0 (one scan): three seeds on one host ended at 0.379 over all families on average,
     # against 0.265 for 6 steps with a rescan every 3 (docs/design.md, "Thirty steps on one scan"); 40 steps
-    # raised the trained families from 0.863 to 0.900, within the noise (docs/design.md, "Forty steps").
+    # alone raised the trained families from 0.863 to 0.900, within the noise (docs/design.md, "Forty steps").
+    # steps=40, retry_all_wrong=1 (a problem whose 8 rollouts are all wrong is sampled once more): three seeds
+    # ended at 0.917 on the trained families and 0.424 over all, against 0.854 and 0.386 for 30 steps without
+    # the retry (docs/design.md, "The retry option with forty steps").
     # The held-out set spans all eleven families: 16 problems of each x 1 sample (rstar2_mini.heldout_report).
     # Problems differ more than samples of one problem: 4 problems of a family x 2 samples put range sums at
     # 0.25-0.5 in runs that solved 0.75-0.78 of 40 such problems (docs/design.md, "The held-out set").
@@ -143,8 +147,8 @@ PRESETS = {
     # micro_batch_tokens=1024, logprob_chunk_tokens=256: the update's activations (~2 MB a token in fp32) and
     # logits for fewer tokens at once; the system prompt runs once a pass whatever the micro-batches, so they
     # cost little speed (docs/memory.md, the CPU run).
-    "cpu": dict(steps=30, groups_per_step=4, group_size=4, oversample=2, max_turns=4, max_response_tokens=512,
-                engine_batch=64,
+    "cpu": dict(steps=40, retry_all_wrong=1, groups_per_step=4, group_size=4, oversample=2, max_turns=4,
+                max_response_tokens=512, engine_batch=64,
                 draw_problems=8, max_draw_rounds=1, lr=2e-5, warmup_steps=2, minibatches=2, micro_batch_tokens=1024,
                 logprob_chunk_tokens=256,
                 eval_problems=176, eval_samples=1, hard_scan=32, sft_examples=304, levels=(1,),
