@@ -56,7 +56,7 @@ class Config:
     oversample: int = 2               # 2G rollouts are sampled (paper: 32 -> 16)
     max_draw_rounds: int = 2          # dynamic sampling: at most this many rounds of drawing problems a step
     retry_all_wrong: int = 0          # a problem whose 2G rollouts are all wrong is sampled again, this many times
-                                      # (the CPU preset: 1, with 40 steps; docs/design.md, "The retry option")
+                                      # (the CPU preset: 1; docs/design.md, "The retry option with forty steps")
     draw_problems: int = 0            # problems drawn per round at least (0: just the groups still missing)
     max_turns: int = 10               # paper: 10 (stages 1-2), 15 (stage 3), 30 (evaluation)
     max_response_tokens: int = 8192   # paper: 8K (stage 1), 12K (stages 2-3); tool tokens count toward it
@@ -126,7 +126,7 @@ PRESETS = {
     # a host with bf16 units, alone on the cores, SFT 8 min, a step (8 problems x 8 rollouts, then the update)
     # 0.9-2 min (median 80 s), the scan 2.5 min, a held-out evaluation 3 min: 30 steps in 49 min, peak 7.6 GB;
     # 40 steps with the retry: about 1.5 h on a slower day of the same host (an estimate: README).
-    # On an AVX2-only host (fp32) SFT 15 min and a step 2.1-3.3 min alone (stage 1 about 2 h).
+    # On an AVX2-only host (fp32) SFT 15 min and a step 2.1-3.3 min alone (40 steps: about 2-2.5 h, an estimate).
     # Problems: one scan of all eleven families at the start (2 problems x 4 rollouts each, a second pass where
     # none was right); every step trains on the generator cells (family, level) the scan found right, dealt in
     # turn. A group of all-wrong rollouts has zero advantage and teaches nothing: on all eleven families
