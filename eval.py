@@ -28,7 +28,9 @@ Grader decisions (each one is pinned by a test in tests/test_eval.py):
     (0.1 + 0.2 prints 0.30000000000000004), so they are not read; a truncated 0.666666666666666 counts too.
     math-verify and Qwen's math_grader accept these (they compare with a tolerance: 6 places, relative 1e-4),
     so this is agreement, not leniency: a guess cannot hit 15 digits, and a hedge is still several answers.
-    14 digits or fewer, or a different 15th digit (0.0833333333333353), stay wrong; integers are always exact.
+    14 digits or fewer, or a different 15th digit (0.0833333333333353), stay wrong. An integer answer takes
+    only its exact value (27.0 is 27): a float is not an integer however many digits agree, so
+    2.2223224462942044e+62 is not F(300), a 63-digit integer, and 4.99999999999999999 is not 5.
   * Scientific notation is a number: 1.5\\times10^{3} == 1.5 \\cdot 10^3 == 1500 (one nonzero digit before the
     point, as scientific notation writes it; 15 \\times 10^{2} is a product, see "numeric gold" below).
   * "%" is a unit, dropped like "cm" or a degree sign: 50\\% == 50, and 50\\% != 0.5. A number is never rescaled
@@ -300,6 +302,11 @@ def _equiv_normalized(pred: str, gold: str) -> bool:
         return canonical_words(pred) == canonical_words(gold)
     pred_value, gold_value = plain_number(pred), plain_number(gold)
     if pred_value is not None and gold_value is not None:  # the fast path: exact, no SymPy, no process
+        if gold_value.denominator == 1 and not machine_precision_decimal(gold):
+            # An integer answer takes only its exact value: 27.0 and 1.5\times10^{3} are integers written
+            # otherwise, but a float printed to machine precision is not one. F(300) has 63 digits;
+            # 2.2223224462942044e+62 agrees with it to 17 and is still the wrong number.
+            return pred_value == gold_value
         return (pred_value == gold_value or (machine_precision_decimal(pred) and
                                              agrees_to_machine_precision(pred, gold_value))
                 or (machine_precision_decimal(gold) and agrees_to_machine_precision(gold, pred_value)))

@@ -125,7 +125,7 @@ MACHINE_PRECISION_EQUAL = [
     ("0.0833333333333333", r"\frac{1}{12}"), ("0.08333333333333333", r"\frac{1}{12}"),   # 15 digits; float repr
     ("4.666666666666667", r"\frac{14}{3}"), ("0.666666666666666", r"\frac23"),             # rounded; truncated
     ("0.30000000000000004", "3/10"), ("-0.0833333333333333", r"-\frac{1}{12}"),            # float noise; sign
-    ("4.99999999999999999", "5"), ("1.66666666666667e-5", r"\frac{1}{60000}"),
+    ("1.66666666666667e-5", r"\frac{1}{60000}"),
     ("4.123105625617661", r"\sqrt{17}"), ("4.12310562561766", r"\sqrt{17}"),              # float repr; sympy N()
     (r"\sqrt{17}", "4.123105625617661"), ("3.14159265358979", r"\pi"),
     ("0.0833333333333333", "0.08333333333333333"),
@@ -137,6 +137,16 @@ MACHINE_PRECISION_NOT_EQUAL = [
     ("5.00000000000001", "5"), ("0.0833333333333333", r"\frac{1}{13}"),
     ("0.0833333333333333", "x"), ("4.123105625617661", r"\sqrt{17} i"),
     ("123456789012345", "123456789012346"),                                                # integers are exact
+]
+# An integer answer needs an integer-valued prediction that equals it exactly: a float printed to machine
+# precision is not an integer, however many digits agree (F(300) has 63 digits; a float keeps 17).
+FLOAT_FOR_AN_INTEGER = [
+    ("2.2223224462942044e+62", "222232244629420445529739893461909967206666939096499764990979600"),   # F(300)
+    ("4.99999999999999999", "5"), ("5.00000000000000001", "5"), ("1.23456789012345e+20", "123456789012345000001"),
+]
+AN_INTEGER_WRITTEN_OTHERWISE = [   # integer-valued and exact: still the integer
+    ("27.0", "27"), ("27", "27.0"), ("2.2223224462942044e+62", "222232244629420440000000000000000000000000000000000000000000000"),
+    (r"1.5\times10^{3}", "1500"), ("1,000", "1000"),
 ]
 
 NOT_EQUAL = [
@@ -185,6 +195,16 @@ def test_a_shorter_or_different_decimal_is_not_the_value(pred, gold):
     assert not is_equiv(pred, gold)
 
 
+@pytest.mark.parametrize("pred, gold", FLOAT_FOR_AN_INTEGER)
+def test_a_float_is_not_an_integer_answer(pred, gold):
+    assert not is_equiv(pred, gold)
+
+
+@pytest.mark.parametrize("pred, gold", AN_INTEGER_WRITTEN_OTHERWISE)
+def test_an_exact_integer_value_is_the_integer_however_written(pred, gold):
+    assert is_equiv(pred, gold)
+
+
 def test_machine_precision_rule_against_a_plain_oracle():
     """The rule, computed independently with 50-digit decimal arithmetic: a decimal d with n >= 15 significant
     digits equals a fraction g iff |d - g| < 10**(floor(log10 |g|) - 14)."""
@@ -204,8 +224,8 @@ def test_machine_precision_rule_against_a_plain_oracle():
             continue
         significant = len(d.lstrip("-").replace(".", "").lstrip("0"))
         unit = decimal.Decimal(10) ** (exact.adjusted() - 14)
-        expected = significant >= 15 and abs(decimal.Decimal(d) - exact) < unit
-        expected = expected or Fraction(d) == g
+        expected = significant >= 15 and abs(decimal.Decimal(d) - exact) < unit and g.denominator != 1
+        expected = expected or Fraction(d) == g     # an integer g takes only its exact value
         assert is_equiv(d, f"{g.numerator}/{g.denominator}") == expected, (d, g)
 
 
