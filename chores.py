@@ -50,6 +50,8 @@ class Chore:
     data: object = None
     read: str | None = None   # how a stdin twin reads DATA, e.g. "input().split()"; None: no stdin twin
     stdin: str = ""           # the stdin text for the twin
+    same_as: tuple[str, dict] | None = None   # (tasks family, its parameters) when the chore states a generator
+                                              # problem: the SFT keeps such a chore only when it is in train
 
 
 def phrase(rng: random.Random, lo: int = 2, hi: int = 4) -> str:

@@ -90,7 +90,8 @@ def choose_ways(rng):
                  "matter)?", "How many different sets of {k} can be made from {n} {t}?", n=n, k=k, t=thing)
         return Chore("count the choices with math.comb", q, str(math.comb(n, k)),
                      [f"import math\nprint(math.comb({n}, {k}))", f"from math import comb\nresult = comb({n}, {k})\nprint(result)",
-                      f"import itertools\nprint(len(list(itertools.combinations(range({n}), {k}))))"])
+                      f"import itertools\nprint(len(list(itertools.combinations(range({n}), {k}))))"],
+                     same_as=("binomial", {"n": n, "k": k}))
     if kind == "perm":
         q = pick(rng, "{n} runners race. In how many ways can the first {k} places be filled?",
                  "From {n} {t}, how many ordered lists of {k} different ones are there?", n=n, k=k, t=thing)
@@ -101,7 +102,8 @@ def choose_ways(rng):
              "{n} teams play each other once. How many games are played?", n=n)
     return Chore("count the pairs", q, str(math.comb(n, 2)),
                  [f"import math\nprint(math.comb({n}, 2))", f"n = {n}\nprint(n * (n - 1) // 2)",
-                  f"count = 0\nfor i in range({n}):\n    for j in range(i + 1, {n}):\n        count += 1\nprint(count)"])
+                  f"count = 0\nfor i in range({n}):\n    for j in range(i + 1, {n}):\n        count += 1\nprint(count)"],
+                 same_as=("binomial", {"n": n, "k": 2}))
 
 
 def sympy_chore(rng):
@@ -168,11 +170,13 @@ def hex_color(rng):
         q = pick(rng, "A register holds the bits {b}. What number is that in decimal?",
                  "Read the binary string {b} as a whole number.", b=bits)
         return Chore("read the binary number", q, str(int(bits, 2)),
-                     [f"print(int('{bits}', 2))", f"value = 0\nfor bit in '{bits}':\n    value = 2 * value + int(bit)\nprint(value)"])
+                     [f"print(int('{bits}', 2))", f"value = 0\nfor bit in '{bits}':\n    value = 2 * value + int(bit)\nprint(value)"],
+                     same_as=("base_conversion", {"from": 2, "to": 10, "value": int(bits, 2)}))
     mode = "".join(str(rng.randint(0, 7)) for _ in range(3))
     q = pick(rng, "The file mode is {m} in octal. What is it in decimal?", "Convert the octal permission {m} to a "
              "decimal number.", m=mode)
-    return Chore("read the octal number", q, str(int(mode, 8)), [f"print(int('{mode}', 8))", f"print(0o{mode})"])
+    return Chore("read the octal number", q, str(int(mode, 8)), [f"print(int('{mode}', 8))", f"print(0o{mode})"],
+                 same_as=("base_conversion", {"from": 8, "to": 10, "value": int(mode, 8)}))
 
 
 def number_in_sentence(rng):
@@ -233,7 +237,8 @@ def layer_blocks(rng):
     return Chore("add up the layers", q, str(sum(k**power for k in range(a, b + 1))),
                  [f"print(sum(k**{power} for k in range({a}, {b} + 1)))",
                   f"total = 0\nfor k in range({a}, {b + 1}):\n    total += k**{power}\nprint(total)",
-                  f"sizes = [k**{power} for k in range({a}, {b + 1})]\nresult = sum(sizes)\nprint(result)"])
+                  f"sizes = [k**{power} for k in range({a}, {b + 1})]\nresult = sum(sizes)\nprint(result)"],
+                 same_as=("range_sum", {"kind": "powers", "power": power, "a": a, "b": b}))
 
 
 def base_display(rng):
@@ -246,7 +251,8 @@ def base_display(rng):
              "is that number in decimal?", m=base - 1, d=digits, b=base)
     return Chore(f"read the base-{base} number", q, str(value),
                  [f"print(int('{digits}', {base}))",
-                  f"value = 0\nfor digit in '{digits}':\n    value = {base} * value + int(digit)\nprint(value)"])
+                  f"value = 0\nfor digit in '{digits}':\n    value = {base} * value + int(digit)\nprint(value)"],
+                 same_as=("base_conversion", {"from": base, "to": 10, "value": value}))
 
 
 def dotted_sum(rng):
@@ -266,7 +272,8 @@ def dotted_sum(rng):
     return Chore(f"add up {term('k')} for every k from {a} to {b}", q, str(sum(n**power for n in range(a, b + 1))),
                  [f"print(sum({k} for k in range({a}, {b} + 1)))",
                   f"total = 0\nfor k in range({a}, {b + 1}):\n    total += {k}\nprint(total)",
-                  f"terms = [{k} for k in range({a}, {b + 1})]\nresult = sum(terms)\nprint(result)"])
+                  f"terms = [{k} for k in range({a}, {b + 1})]\nresult = sum(terms)\nprint(result)"],
+                 same_as=("range_sum", {"kind": "powers", "power": power, "a": a, "b": b}))
 
 
 # The default mix: every everyday chore, then the everyday Python of math, about a quarter of the chores (loops over

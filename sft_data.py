@@ -37,6 +37,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tasks
 from chores import EVERYDAY_CHORES, chore_programs, direct_example
 from chores_math import MATH_CHORES, chore_mix
 from scheduler import (IM_END, IM_START, TOOL_NAME, Segment, Trajectory, encode, encode_tool_response,
@@ -119,6 +120,14 @@ class Draft:
     calls: list[tuple[str, str, str]] = field(default_factory=list)   # (reason, code, stdin) per tool call
     expect: list[str] = field(default_factory=list)                   # expected status per call
     final: str = ""                              # the final model turn, <|im_end|> included
+    same_as: tuple[str, dict] | None = None      # the generator problem the chore states (chores.Chore.same_as)
+
+
+def chore_kind(rng, cfg: SFTConfig):
+    """The chore function this draft uses: one of the mix's, or of MATH_CHORES with probability math_share."""
+    if cfg.math_share is None:
+        return rng.choice(chore_mix(cfg.extra_chores))
+    return rng.choice(MATH_CHORES if rng.random() < cfg.math_share else EVERYDAY_CHORES)
 
 
 def draft_example(seed: int, index: int, cfg: SFTConfig) -> Draft:
@@ -127,15 +136,15 @@ def draft_example(seed: int, index: int, cfg: SFTConfig) -> Draft:
     if rng.random() < cfg.direct_share:
         q, reason, a = direct_example(rng)
         return Draft(f"sft-{index}-direct", q, a, final=answer_turn(rng, reason, a))
-    if cfg.math_share is None:
-        chore = rng.choice(chore_mix(cfg.extra_chores))(rng)
-    else:
-        chore = rng.choice(MATH_CHORES if rng.random() < cfg.math_share else EVERYDAY_CHORES)(rng)
+    make = chore_kind(rng, cfg)
+    chore = make(rng)
+    while chore.same_as and tasks.split_of(*chore.same_as) != "train":   # never a validation or test problem:
+        chore = make(rng)                                                  # the same kind, other numbers
     programs = [(name_the_result(code) if rng.random() < cfg.name_share else code, stdin)
                 for code, stdin in chore_programs(chore)]
     code, stdin = rng.choice(programs)
     reasons = STDIN_REASONS if stdin else CALL_REASONS
-    d = Draft(f"sft-{index}-{chore.what.split()[0]}", chore.question, chore.answer)
+    d = Draft(f"sft-{index}-{chore.what.split()[0]}", chore.question, chore.answer, same_as=chore.same_as)
     first_reason = rng.choice(reasons).format(what=chore.what)
     roll = rng.random()
     others = [p for p in programs if p[0] != code]

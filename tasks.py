@@ -13,11 +13,12 @@ and a 135M-parameter laptop model could not solve them anyway, so this module of
          rng = Random("seed:split:index")                       #   -> one private RNG per index
          family, level = rng.choice(...)                        #   -> which kind of problem
          question, answer, params = FAMILIES[family](rng, level)
-         keep it iff is_heldout(family, params) == (split == "heldout"), else draw again from the same rng
+         keep it iff split_of(family, params) == split, else draw again from the same rng
 
    Because every index has its own RNG, the trainer's data cursor is just an integer and a resumed run sees
-   exactly the problems it would have seen. The train/held-out split is a hash of (family, parameters), not of
-   the wording, so a held-out problem never reaches training even in another phrasing.
+   exactly the problems it would have seen. The split (train, validation, test) is a hash of the family and its
+   canonical parameters (C(n, k) = C(n, n - k)), not of the wording, so an evaluation problem never reaches
+   training even in another phrasing or as its mirror.
 
 2. A loader for the offline JSON/JSONL files (AIME, HMMT, MATH-500, AMC, GSM8K, the rLLM training sets) that
    keeps integer answers by default, as the paper does:   file -> rows -> (question, final answer) -> Problem.
@@ -48,6 +49,7 @@ class Problem:
     source: str = "generated"   # "generated", or the stem of the file it was loaded from ("aime24")
     level: int = 1     # generated: 1 (easy) .. 3 (hard); loaded: the file's "level" field, or 0 when it has none
     family: str = ""   # generated: the FAMILIES key; loaded: the file's subject/type field when present
+    params: str = ""   # generated: the family's parameters as JSON (what the question states); loaded: ""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -480,18 +482,42 @@ FAMILIES: dict[str, Callable[[random.Random, int], tuple[str, int, dict]]] = {
     "base_conversion": base_conversion,
 }
 LEVELS = (1, 2, 3)
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "validation", "test")
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The split and the deterministic stream
+# The splits and the deterministic stream
+#
+# A problem's split is decided by its canonical parameters, the numbers that decide its answer written in one
+# form (C(n, k) = C(n, n - k); a product, gcd or lcm does not depend on the order of its numbers), never by its
+# wording: a problem held out for evaluation never reaches training in another phrasing or as its mirror.
+#
+#   bucket = sha256(family + canonical params) mod 10:  0 -> validation, 1 -> test, 2..9 -> train
+#
+# validation: the held-out set the CPU preset's settings were chosen on (printed at every run);
+# test:       a set of its own seed and stream, looked at only to report (docs/design.md, "The test split").
+# Training streams, the difficulty scans and the SFT's chores that state a generator problem all stay in train.
 
-HELDOUT_MODULUS = 10    # one problem in ten (by parameters) is held out and never trained on
+SPLIT_MODULUS = 10
+SPLIT_OF_BUCKET = {0: "validation", 1: "test"}      # any other bucket: train
+VALIDATION_SEED, TEST_SEED = 1234, 4321            # the two evaluation sets' streams
 
 
-def problem_key(family: str, params: dict) -> str:
-    """A canonical text for the mathematical problem (not its wording): the family and its parameters."""
-    return family + ":" + json.dumps(params, sort_keys=True)
+def canonical_params(family: str, params: dict) -> dict:
+    """The parameters that decide the answer, in one form: a mirrored binomial and a reordered product or gcd
+    are the same problem. Every other family's parameters are already canonical."""
+    if family == "binomial":                     # C(n, k) = C(n, n - k)
+        return {**params, "k": min(params["k"], params["n"] - params["k"])}
+    if family == "product":                      # a * b = b * a
+        return {**params, "factors": sorted(params["factors"])}
+    if family == "gcd_lcm" and "numbers" in params:   # gcd and lcm of a set
+        return {**params, "numbers": sorted(params["numbers"])}
+    return params
+
+
+def canonical_key(family: str, params: dict) -> str:
+    """A canonical text for the mathematical problem (not its wording): the family and its canonical parameters."""
+    return family + ":" + json.dumps(canonical_params(family, params), sort_keys=True)
 
 
 def stable_hash(text: str) -> int:
@@ -499,8 +525,17 @@ def stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
 
 
-def is_heldout(family: str, params: dict) -> bool:
-    return stable_hash(problem_key(family, params)) % HELDOUT_MODULUS == 0
+def split_of(family: str, params: dict) -> str:
+    """"train", "validation" or "test": the split every wording of this problem belongs to."""
+    return SPLIT_OF_BUCKET.get(stable_hash(canonical_key(family, params)) % SPLIT_MODULUS, "train")
+
+
+def checked_split(split: str) -> str:
+    """The split's name ("heldout", the validation set's older name, is accepted); a ValueError for others."""
+    split = "validation" if split == "heldout" else split
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    return split
 
 
 def checked_families(levels: Sequence[int], families: Sequence[str] | None) -> list[str]:
@@ -518,27 +553,29 @@ def problem_at(index: int, seed: int, split: str = "train", levels: Sequence[int
                families: Sequence[str] | None = None, cells: Sequence[tuple[str, int]] | None = None) -> Problem:
     """The index-th problem of the (seed, split, levels, families) stream; the same arguments, the same problem.
     `cells` [(family, level), ...] replaces families x levels by just those pairs (a stage's difficulty scan
-    chooses them: rstar2_mini.choose_cells)."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    chooses them: curriculum.choose_cells)."""
+    split = checked_split(split)
     names = checked_families(levels, families)
     if cells is not None:
         bad = [c for c in cells if c[0] not in FAMILIES or c[1] not in LEVELS]
         if not cells or bad:
             raise ValueError(f"cells must be (family, level) pairs of {', '.join(FAMILIES)} x {LEVELS}, got {bad}")
     # One RNG per index, seeded from a string (Random hashes str seeds with sha512: stable across processes).
-    rng = random.Random(f"rstar2-tasks:{seed}:{split}:{index}")
-    for _ in range(1000):   # a train draw is kept 9 times in 10, a held-out draw 1 time in 10
+    # The validation stream keeps its older name, "heldout", so its problems are those it always had.
+    stream = "heldout" if split == "validation" else split
+    rng = random.Random(f"rstar2-tasks:{seed}:{stream}:{index}")
+    for _ in range(1000):   # a train draw is kept 8 times in 10, a validation or test draw 1 time in 10
         if cells is not None:
             family, level = rng.choice(list(cells))
         else:
             family = rng.choice(names)
             level = rng.choice(list(levels))
         question, answer, params = FAMILIES[family](rng, level)
-        if is_heldout(family, params) == (split == "heldout"):
+        if split_of(family, params) == split:
             problem_id = f"{family}-L{level}-{stable_hash(question):016x}"
-            return Problem(problem_id, question, str(answer), "generated", level, family)
-    raise RuntimeError(f"no {split} problem found for index {index}")   # unreachable at HELDOUT_MODULUS = 10
+            return Problem(problem_id, question, str(answer), "generated", level, family,
+                           json.dumps(params, sort_keys=True))
+    raise RuntimeError(f"no {split} problem found for index {index}")   # unreachable at SPLIT_MODULUS = 10
 
 
 def generate_problems(n: int, seed: int, split: str = "train", levels: Sequence[int] = (1, 2),
@@ -547,11 +584,12 @@ def generate_problems(n: int, seed: int, split: str = "train", levels: Sequence[
     return [problem_at(i, seed, split, levels, families) for i in range(n)]
 
 
-def heldout_problems(n: int = 64, seed: int = 1234, levels: Sequence[int] = (1, 2),
-                     families: Sequence[str] | None = None) -> list[Problem]:
-    """A fixed evaluation set of n distinct held-out problems (never produced by the train split), stratified:
-    problem k comes from family k mod F and, once every family has had one, the next level in turn, so each
-    (family, level) cell holds floor(n / cells) or one more and a per-family pass@1 always has its samples."""
+def evaluation_set(split: str, n: int, seed: int, levels: Sequence[int] = (1, 2),
+                   families: Sequence[str] | None = None) -> list[Problem]:
+    """A fixed evaluation set of n problems of one split, no two alike by canonical parameters (so never the
+    same problem in other words), stratified: problem k comes from family k mod F and, once every family has had
+    one, the next level in turn, so each (family, level) cell holds floor(n / cells) or one more and a
+    per-family pass@1 always has its samples."""
     names = checked_families(levels, families)
     cells = [(family, level) for level in levels for family in names]     # round-robin: families first
     problems: list[Problem] = []
@@ -560,15 +598,29 @@ def heldout_problems(n: int = 64, seed: int = 1234, levels: Sequence[int] = (1, 
     for k in range(n):
         cell = cells[k % len(cells)]
         for _ in range(10_000):
-            problem = problem_at(next_index[cell], seed, "heldout", levels, names, cells=[cell])
+            problem = problem_at(next_index[cell], seed, split, levels, names, cells=[cell])
             next_index[cell] += 1
-            if problem.question not in seen:
+            key = canonical_key(problem.family, json.loads(problem.params))
+            if key not in seen:
                 break
         else:
-            raise ValueError(f"cell {cell} has too few distinct held-out problems for a set of {n}")
-        seen.add(problem.question)
+            raise ValueError(f"cell {cell} has too few distinct {split} problems for a set of {n}")
+        seen.add(key)
         problems.append(problem)
     return problems
+
+
+def heldout_problems(n: int = 64, seed: int = VALIDATION_SEED, levels: Sequence[int] = (1, 2),
+                     families: Sequence[str] | None = None) -> list[Problem]:
+    """The validation set: the held-out problems every run prints before and after RL (evaluation_set)."""
+    return evaluation_set("validation", n, seed, levels, families)
+
+
+def heldout_test_problems(n: int = 64, seed: int = TEST_SEED, levels: Sequence[int] = (1, 2),
+                  families: Sequence[str] | None = None) -> list[Problem]:
+    """The test set: disjoint from training, the scans, the SFT's chores and the validation set by canonical
+    parameters, from a seed and stream of its own; looked at only to report, never to choose a setting."""
+    return evaluation_set("test", n, seed, levels, families)
 
 
 # ----------------------------------------------------------------------------------------------------------------

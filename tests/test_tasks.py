@@ -174,13 +174,14 @@ def test_train_and_heldout_never_share_a_problem():
     train = tasks.generate_problems(6000, seed=0, levels=(1, 2, 3))
     train += tasks.generate_problems(3000, seed=1, levels=(1,))
     heldout = tasks.generate_problems(600, seed=0, split="heldout", levels=(1, 2, 3))
-    heldout += tasks.heldout_problems(300, levels=(1,))
+    heldout += tasks.heldout_problems(176, levels=(1,))
     assert not {p.question for p in train} & {p.question for p in heldout}
-    # About one problem in HELDOUT_MODULUS is held out, decided by (family, params), not the wording:
+    # About one problem in SPLIT_MODULUS is in each evaluation split, decided by (family, params), not the wording:
     rng = random.Random(0)
     draws = [("product", tasks.FAMILIES["product"](rng, 1)[2]) for _ in range(3000)]
-    share = sum(tasks.is_heldout(f, p) for f, p in draws) / len(draws)
-    assert abs(share - 1 / tasks.HELDOUT_MODULUS) < 0.03
+    for split in ("validation", "test"):
+        share = sum(tasks.split_of(f, p) == split for f, p in draws) / len(draws)
+        assert abs(share - 1 / tasks.SPLIT_MODULUS) < 0.03
 
 
 def test_heldout_set_is_fixed_distinct_and_honours_levels():
@@ -231,7 +232,7 @@ def test_cells_draw_only_those_family_level_pairs_and_keep_the_split():
 
 def test_problem_at_rejects_bad_arguments():
     with pytest.raises(ValueError, match="split"):
-        tasks.problem_at(0, 0, split="test")
+        tasks.problem_at(0, 0, split="holdout")
     with pytest.raises(ValueError, match="levels"):
         tasks.problem_at(0, 0, levels=(4,))
     with pytest.raises(ValueError, match="known: product"):
@@ -349,3 +350,101 @@ def test_decontaminate_real_files():
     eval_grams = set().union(*(tasks.word_ngrams(p.question) for p in math500))
     assert all(eval_grams.isdisjoint(tasks.word_ngrams(p.question)) for p in kept[:500])
     assert tasks.decontaminate(math500[:50], [math500]) == ([], 50)    # an eval set is fully contaminated by itself
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The splits (train, scans, SFT drafts, validation, test) are disjoint by what decides a problem's answer
+
+def answer_determining(family: str, params: dict) -> tuple:
+    """This test's own reading of what decides each family's answer, whatever the wording: C(n, k) = C(n, n - k),
+    a product, gcd or lcm does not depend on the order of its numbers; every other family's parameters as stated."""
+    if family == "binomial":
+        return family, params["n"], min(params["k"], params["n"] - params["k"]), params.get("m")
+    if family == "product":
+        return family, tuple(sorted(params["factors"]))
+    if family == "gcd_lcm" and "numbers" in params:
+        return family, params["kind"], tuple(sorted(params["numbers"]))
+    return family, json.dumps(params, sort_keys=True)
+
+
+def keys_of(problems) -> set:
+    return {answer_determining(p.family, json.loads(p.params)) for p in problems}
+
+
+def test_canonical_parameters_decide_the_answer_and_merge_mirrors():
+    """Brute force over many draws: problems with the same canonical key have the same answer, and the mirror
+    C(n, n - k) or a reordered product or gcd has the same key as the original."""
+    answers: dict[str, str] = {}
+    for p in tasks.generate_problems(3000, seed=11, levels=(1, 2, 3)):
+        key = tasks.canonical_key(p.family, json.loads(p.params))
+        assert answers.setdefault(key, p.answer) == p.answer, key
+    assert tasks.canonical_key("binomial", {"n": 30, "k": 4}) == tasks.canonical_key("binomial", {"n": 30, "k": 26})
+    assert tasks.canonical_key("binomial", {"n": 30, "k": 4}) != tasks.canonical_key("binomial", {"n": 30, "k": 5})
+    assert tasks.canonical_key("product", {"factors": [12, 7]}) == tasks.canonical_key("product", {"factors": [7, 12]})
+    assert (tasks.canonical_key("gcd_lcm", {"kind": "gcd", "numbers": [6, 4]})
+            == tasks.canonical_key("gcd_lcm", {"kind": "gcd", "numbers": [4, 6]}))
+    assert tasks.split_of("binomial", {"n": 30, "k": 4}) == tasks.split_of("binomial", {"n": 30, "k": 26})
+
+
+SFT_MIXES = [{}, {"extra_chores": "dotted_sum"}, {"math_share": 0.5}]   # the default mix, the option, the others
+
+
+def sft_drafts(n: int, seed: int = 0) -> list:
+    from sft_config import SFTConfig
+    from sft_data import draft_example
+
+    return [draft_example(seed, i, SFTConfig(**mix)) for mix in SFT_MIXES for i in range(n)]
+
+
+def sft_draft_keys(n: int, seed: int = 0) -> set:
+    return {answer_determining(*d.same_as) for d in sft_drafts(n, seed) if d.same_as}
+
+
+def test_no_two_splits_share_canonical_parameters():
+    """Training streams (two seeds, the CPU preset's levels), the difficulty scans' draws, the SFT drafts that state
+    a generator problem, the validation set and the test set: pairwise disjoint by answer-determining parameters
+    (mirrored binomials included)."""
+    train = keys_of(tasks.generate_problems(4000, seed=0, levels=(1, 2)))
+    train |= keys_of(tasks.generate_problems(3000, seed=1, levels=(1,)))
+    scans = keys_of([tasks.problem_at(i, seed=4099 + s, split="train", cells=[(f, 1)])
+                     for s in range(3) for f in tasks.FAMILIES for i in range(40)])
+    sft = sft_draft_keys(1500)
+    validation = keys_of(tasks.heldout_problems(176, levels=(1,))) | keys_of(tasks.heldout_problems(200, levels=(1, 2)))
+    test = keys_of(tasks.heldout_test_problems(176, levels=(1,))) | keys_of(tasks.heldout_test_problems(200, levels=(1, 2)))
+    assert len(sft) > 50 and {k[0] for k in sft} >= {"binomial", "range_sum", "base_conversion"}
+    sides = {"train": train, "scans": scans, "sft": sft, "validation": validation, "test": test}
+    for a, b in [("train", "validation"), ("train", "test"), ("scans", "validation"), ("scans", "test"),
+                 ("sft", "validation"), ("sft", "test"), ("validation", "test")]:
+        assert not sides[a] & sides[b], (a, b, sorted(sides[a] & sides[b])[:3])
+
+
+def test_sft_drafts_declare_the_generator_problem_they_state():
+    """A chore that states a generator family's problem declares it, and the declaration is right: the declared
+    parameters give the chore's answer by the family's own formula."""
+    seen = set()
+    for d in sft_drafts(800):
+        if not d.same_as:
+            continue
+        family, params = d.same_as
+        seen.add(family)
+        if family == "binomial":
+            assert math.comb(params["n"], params["k"]) == int(d.answer)
+        elif family == "range_sum":
+            assert sum(k ** params["power"] for k in range(params["a"], params["b"] + 1)) == int(d.answer)
+        elif family == "base_conversion":
+            assert params["to"] == 10 and params["value"] == int(d.answer)
+    assert seen == {"binomial", "range_sum", "base_conversion"}
+
+
+def test_test_split_is_deterministic_distinct_and_stratified():
+    from collections import Counter
+    test = tasks.heldout_test_problems(176, levels=(1,))
+    assert test == tasks.heldout_test_problems(176, levels=(1,))
+    assert Counter(p.family for p in test) == {family: 16 for family in tasks.FAMILIES}
+    assert len(keys_of(test)) == 176                                       # no problem twice, in any wording
+    assert not {p.question for p in test} & {p.question for p in tasks.heldout_problems(176, levels=(1,))}
+
+
+def test_validation_set_never_repeats_a_problem_in_other_words():
+    validation = tasks.heldout_problems(176, levels=(1,))
+    assert len(keys_of(validation)) == 176
