@@ -104,7 +104,9 @@ class Config:
     ranks: int = 0                    # the plan's training processes (0: torchrun's WORLD_SIZE, else one per GPU
                                       # for --plan on paper preset; 1 = one process)
     # evaluation and logging
-    eval_problems: int = 32           # held-out generated problems evaluated before and after training
+    eval_problems: int = 32           # validation problems (the held-out set) evaluated before and after training
+    test_problems: int = -1           # test-split problems evaluated beside them, looked at only to report
+                                      # (-1: as many as eval_problems)
     eval_samples: int = 2             # samples per problem (pass@1 averaged over them)
     eval_temperature: float = 0.6
     save_every: int = 5               # steps between checkpoints (and always at the end)

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import os
 import random
 import shlex
@@ -44,19 +43,15 @@ from distributed import (DIST, all_ranks_sum, barrier, close_distributed, exit_r
 # the update of one step (rl_update.py); its log-prob helpers are named here too, for tests and checks
 from rl_update import (bf16_option, engine_trainer_mismatch, policy_update, shared_prefix_length,  # noqa: F401
                        token_logprobs)
-from run_files import (peak_memory_gb, plot_curves, prepare_run_dir, reset_peak_memory, saved_setting,
+from run_files import (log, peak_memory_gb, plot_curves, prepare_run_dir, reset_peak_memory, saved_setting,
                        stage_dir, write_json_atomic, write_samples)
+import curriculum  # each stage's data by difficulty: scans, cells, dealing, stage 3's hard subset
 
 # OpenMP threads that wait for each other sleep instead of spinning. Beside any other busy process (sandbox workers,
 # another program) spinning made CPU steps several times slower than their share of the cores (docs/contention.md,
 # bench/bench_contention.py). libgomp reads this when torch loads it: nothing above imports torch. An explicit
 # OMP_WAIT_POLICY in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-def log(msg: str) -> None:
-    if DIST.rank == 0:  # under torchrun, one voice
-        print(msg, flush=True)
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Problems: the built-in generator (seeded, a data cursor makes resume exact) or a file
@@ -137,6 +132,13 @@ def generate_groups(rt: Runtime, cfg: Config, problems, n: int, seed: int, tempe
     return groups
 
 
+def sampler(rt: Runtime, cfg: Config):
+    """The rollouts as the curriculum asks for them (curriculum.py): (problems, n, use, step, round) -> n graded
+    trajectories per problem, from the random stream of that use."""
+    return lambda problems, n, use, step=0, round_=0: generate_groups(
+        rt, cfg, problems, n, seed=rollout_seed(use, cfg.seed, step, round_))
+
+
 def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: int, rng: random.Random):
     """Rollouts for one step with dynamic sampling and GRPO-RoC. Returns (kept, stats, cursor, all rollouts):
     kept = [(trajectory, advantage)], the G kept rollouts of each informative group."""
@@ -159,7 +161,7 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         resampled += len(spent)
         for p, group in spent + list(zip(problems, groups)):   # every rollout generated counts in the stats
             all_trajs.extend(group)
-            cell = cell_name((p.family, p.level))
+            cell = curriculum.cell_name((p.family, p.level))
             right, count = by_cell.get(cell, (0, 0))
             by_cell[cell] = [right + sum(t.reward > 0 for t in group), count + len(group)]
         for p, group in zip(problems, groups):
@@ -242,55 +244,82 @@ def resample_all_wrong(rt: Runtime, cfg: Config, problems, groups, n: int, step:
     return groups, spent
 
 
-def heldout_accuracy(rt: Runtime, cfg: Config, problems) -> dict:
-    """pass@1 averaged over eval_samples samples per held-out problem, at the evaluation temperature (eval.py's
-    summary of the same numbers the benchmark command reports)."""
+def heldout_accuracy(rt: Runtime, cfg: Config, problems, split: str = "heldout") -> dict:
+    """pass@1 averaged over eval_samples samples per problem of one evaluation set, at the evaluation temperature
+    (eval.py's summary of the same numbers the benchmark command reports). split: "heldout" (the validation set;
+    metrics keys heldout_*) or "test" (test_*)."""
     import eval as grader
 
-    # one stream for every evaluation, whatever the run seed (was the constant 987_654): before and after training
-    # the same draws, so the difference is the policy's
-    groups = generate_groups(rt, cfg, problems, cfg.eval_samples, seed=rollout_seed("heldout", 0),
+    # one stream per set for every evaluation, whatever the run seed: before and after training the same draws,
+    # so the difference is the policy's
+    groups = generate_groups(rt, cfg, problems, cfg.eval_samples, seed=rollout_seed(split, 0),
                              temperature=cfg.eval_temperature, progress=False)
     s = grader.summarize(problems, groups, ks=())
-    return {"heldout_acc": s["pass@1"], "heldout_acc_se": s["pass@1_se"],
-            "heldout_acc_by_problem": s["pass@1_by_problem"], "heldout_tool_error_rate": s["tool_error_rate"],
-            "heldout_tool_error_rate_correct": s["tool_error_rate_correct"],
-            "heldout_response_len": s["response_len"], "heldout_valid_tool_call": s["valid_tool_call_share"],
-            "heldout_answer_format": s["answer_format_share"], "heldout_acc_by_family": s["pass@1_by_family"]}
+    return {f"{split}_acc": s["pass@1"], f"{split}_acc_se": s["pass@1_se"],
+            f"{split}_acc_by_problem": s["pass@1_by_problem"], f"{split}_tool_error_rate": s["tool_error_rate"],
+            f"{split}_tool_error_rate_correct": s["tool_error_rate_correct"],
+            f"{split}_response_len": s["response_len"], f"{split}_valid_tool_call": s["valid_tool_call_share"],
+            f"{split}_answer_format": s["answer_format_share"], f"{split}_acc_by_family": s["pass@1_by_family"]}
+
+
+def evaluation_sets(cfg: Config) -> dict:
+    """{"heldout": the validation set, "test": the test set} as the config sizes them (an empty one left out).
+    The test split is disjoint from training, the scans, the SFT's chores and the validation set (tasks.py) and
+    is looked at only to report: no setting of this project was chosen on it (docs/design.md)."""
+    import tasks
+
+    families = cfg.families or None
+    sets = {"heldout": tasks.heldout_problems(cfg.eval_problems, levels=cfg.levels, families=families),
+            "test": tasks.heldout_test_problems(cfg.eval_problems if cfg.test_problems < 0 else cfg.test_problems,
+                                                levels=cfg.levels, families=families)}
+    return {split: problems for split, problems in sets.items() if problems}
+
+
+def evaluate_sets(rt: Runtime, cfg: Config, sets: dict) -> dict:
+    return {k: v for split, problems in sets.items() for k, v in heldout_accuracy(rt, cfg, problems, split).items()}
 
 
 def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word[:-1]}ies" if word.endswith("y") else f"{n} {word}s"
 
 
-def heldout_report(stage: str, problems, before: dict, after: dict, trained: set, samples: int,
+def heldout_report(stage: str, sets: dict, before: dict, after: dict, trained: set, samples: int,
                    temperature: float) -> list[str]:
-    """The run's last lines: held-out pass@1 before -> after RL over all families, the families trained on and
-    the others, and per family, each with its noise. before/after: heldout_accuracy's rows (per-problem pass@1
-    in heldout_acc_by_problem); the change's noise is the paired standard error over problems (eval.mean_and_se
-    of after_i - before_i), which leaves out how hard each problem is."""
+    """The run's last lines: pass@1 before -> after RL on the test set, then on the validation set over all
+    families, the families trained on and the others, and per family, each with its noise. sets: evaluation_sets;
+    before/after: their heldout_accuracy rows (per-problem pass@1 in <split>_acc_by_problem); the change's noise
+    is the paired standard error over problems (eval.mean_and_se of after_i - before_i), which leaves out how
+    hard each problem is. A set the before-row lacks (a resumed run of an older version) is left out."""
     import eval as grader
 
-    b, a = before["heldout_acc_by_problem"], after["heldout_acc_by_problem"]
-    families = sorted({p.family for p in problems})
-
-    def line(label, keep):
+    def line(split, label, keep, width=44):
+        problems, b, a = sets[split], before[f"{split}_acc_by_problem"], after[f"{split}_acc_by_problem"]
         idx = [i for i, p in enumerate(problems) if keep(p)]
         if not idx:
             return None
         (mb, sb), (ma, sa) = grader.mean_and_se(b[i] for i in idx), grader.mean_and_se(a[i] for i in idx)
         md, sd = grader.mean_and_se(a[i] - b[i] for i in idx)
         pm = lambda se: "" if se is None else f" ± {se:.3f}"  # noqa: E731
-        return f"  {label:<34} {mb:.3f}{pm(sb)} -> {ma:.3f}{pm(sa)}   change {md:+.3f}{pm(sd)}"
+        return f"  {label:<{width}} {mb:.3f}{pm(sb)} -> {ma:.3f}{pm(sa)}   change {md:+.3f}{pm(sd)}"
 
-    other = [f for f in families if f not in trained]
-    rows = [f"[stage {stage}] held-out pass@1 before -> after RL ({len(problems)} problems x "
-            f"{plural(samples, 'sample')} at T = {temperature}; ± one standard error over problems; a change's is "
-            f"paired):",
-            line(f"all {len(families)} families", lambda p: True),
-            line(f"trained on ({plural(len(families) - len(other), 'family')})", lambda p: p.family in trained),
-            line(f"the other {plural(len(other), 'family')}", lambda p: p.family not in trained)]
-    rows += [line(f"{f}{' (trained on)' if f in trained else ''}", lambda p, f=f: p.family == f) for f in families]
+    shown = [split for split in ("test", "heldout") if split in sets and f"{split}_acc_by_problem" in before]
+    rows = [f"[stage {stage}] pass@1 before -> after RL ({plural(samples, 'sample')} a problem at T = "
+            f"{temperature}; ± one standard error over problems; a change's is paired):"]
+    for split in shown:
+        problems = sets[split]
+        families = sorted({p.family for p in problems})
+        other = [f for f in families if f not in trained]
+        name = {"test": "test", "heldout": "validation"}[split]
+        rows += [line(split, f"{name}: all {len(families)} families ({len(problems)} problems)", lambda p: True),
+                 line(split, f"{name}: trained on ({plural(len(families) - len(other), 'family')})",
+                      lambda p: p.family in trained),
+                 line(split, f"{name}: the other {plural(len(other), 'family')}", lambda p: p.family not in trained)]
+    if "heldout" in shown:
+        families = sorted({p.family for p in sets["heldout"]})
+        rows += [line("heldout", f"validation: {f}{' (trained on)' if f in trained else ''}",
+                      lambda p, f=f: p.family == f) for f in families]
+    rows.append("  (trained on: the families the difficulty scan found the SFT model right on, so their figures are "
+                "conditional on that choice; the test split is never used to choose a setting)")
     return [r for r in rows if r is not None]
 
 
@@ -374,12 +403,13 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
 
     import tasks
 
-    heldout = tasks.heldout_problems(cfg.eval_problems, seed=1234, levels=cfg.levels, families=cfg.families or None)
-    if lead and step == 0 and cfg.eval_problems > 0:
-        before = heldout_accuracy(rt, cfg, heldout)
-        log(f"[stage {stage}] held-out accuracy before RL: {before['heldout_acc']:.3f} "
-            f"± {before['heldout_acc_se'] or 0:.3f} ({cfg.eval_problems} problems x "
-            f"{plural(cfg.eval_samples, 'sample')})")
+    sets = evaluation_sets(cfg)   # validation ("heldout") and test: before RL and after the last step
+    if lead and step == 0 and sets:
+        before = evaluate_sets(rt, cfg, sets)
+        for split, problems in sets.items():
+            log(f"[stage {stage}] {'validation' if split == 'heldout' else 'test'} pass@1 before RL: "
+                f"{before[f'{split}_acc']:.3f} ± {before[f'{split}_acc_se'] or 0:.3f} ({len(problems)} problems x "
+                f"{plural(cfg.eval_samples, 'sample')})")
         with metrics_path.open("a") as f:
             f.write(json.dumps({"step": 0, **before}) + "\n")
 
@@ -388,20 +418,21 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     last = {}
     while step < cfg.steps:
         if scanning and (cells is None or (cfg.scan_every > 0 and step - scan_step >= cfg.scan_every)):
-            found, scanned = on_rank0(choose_cells, rt, cfg, stage, step, run_dir, found)  # scan.jsonl
+            found, scanned = on_rank0(curriculum.choose_cells, sampler(rt, cfg), cfg, stage, step, run_dir,
+                                      found)  # scan.jsonl
             found, rates = [tuple(c) for c in found], rates | scanned
-            cells, scan_step = found or stage_cells(cfg), step
+            cells, scan_step = found or curriculum.stage_cells(cfg), step
             problem_at = load_problem_source(cfg, cells)
         t0 = time.time()
         kept, stats, all_trajs = [], {}, []
         if lead:
             if learnability:
-                deal = deal_cells(cells, rates, max(cfg.draw_problems, cfg.groups_per_step), rng, cfg)
+                deal = curriculum.deal_cells(cells, rates, max(cfg.draw_problems, cfg.groups_per_step), rng, cfg)
                 problem_at = load_problem_source(cfg, deal, first=cursor)
             kept, stats, cursor, all_trajs = select_step_batch(rt, cfg, problem_at, cursor, step, rng)
             stats["cells_trained"] = len(cells) if cells is not None else None
             if learnability:
-                rates = update_cell_rates(rates, stats["rollouts_by_cell"])
+                rates = curriculum.update_cell_rates(rates, stats["rollouts_by_cell"])
             models.release_freed_memory()
         kept, roc_rng = from_rank0((kept, rng.getstate()))  # every rank updates on the same batch, same order
         rng.setstate(roc_rng)
@@ -421,16 +452,18 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
         final = step == cfg.steps
         if lead:
             last = log_step(rt, cfg, stage, run_dir, step, stats, update, kept, all_trajs, t0, t_roll, cursor,
-                            heldout if final and cfg.eval_problems > 0 else None, bar)
-            at_start = first_row(metrics_path) if final and cfg.eval_problems > 0 else {}
-            if "heldout_acc_by_problem" in at_start:  # (a resumed run of an older version may lack step 0's)
+                            sets if final else None, bar)
+            at_start = first_row(metrics_path) if final and sets else {}
+            if any(f"{split}_acc_by_problem" in at_start for split in sets):  # (an older run may lack step 0's)
                 trained = {f for f, _ in cells} if cells else set(cfg.families or tasks.FAMILIES)
-                for text in heldout_report(stage, heldout, at_start, last, trained, cfg.eval_samples,
+                for text in heldout_report(stage, sets, at_start, last, trained, cfg.eval_samples,
                                            cfg.eval_temperature):
                     log(text)
-            elif final and cfg.eval_problems > 0:
-                log(f"[stage {stage}] held-out accuracy after step {step}: {last['heldout_acc']:.3f} "
-                    f"({cfg.eval_problems} problems x {plural(cfg.eval_samples, 'sample')})")
+            elif final and sets:
+                for split, problems in sets.items():
+                    log(f"[stage {stage}] {'validation' if split == 'heldout' else 'test'} pass@1 after step "
+                        f"{step}: {last[f'{split}_acc']:.3f} ({len(problems)} problems x "
+                        f"{plural(cfg.eval_samples, 'sample')})")
         if step % cfg.save_every == 0 or final:  # after the metrics line: a resume drops lines past its step
             barrier()  # while rank 0 evaluates, the others wait here (gloo), not inside full_state's NCCL gather
             weights, opt_state = full_state(rt.model, optimizer)
@@ -468,8 +501,8 @@ def fmt(value, spec: str) -> str:
 
 
 def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, stats: dict, update: dict, kept,
-             all_trajs, t0: float, t_roll: float, cursor: int, heldout, bar) -> dict:
-    """One line of metrics.jsonl (the final held-out evaluation too), the samples, the progress bar, the curves."""
+             all_trajs, t0: float, t_roll: float, cursor: int, eval_sets, bar) -> dict:
+    """One line of metrics.jsonl (the final evaluations too: eval_sets, or None), the samples, the progress bar."""
     dt = time.time() - t0
     gen_tokens = sum(t.num_model_tokens for t in all_trajs)
     row = {"step": step, "stage": stage, **stats, **update, "rollout_time_s": round(t_roll, 2),
@@ -477,8 +510,8 @@ def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, sta
            "train_tokens_per_s": round(update["train_tokens"] / max(dt - t_roll, 1e-9), 1),
            "peak_mem_gb": round(peak_memory_gb(), 2), "cursor": cursor,
            "sandbox_isolation": rt.pool.mode if rt.pool is not None else None}
-    if heldout is not None:
-        row.update(heldout_accuracy(rt, cfg, heldout))
+    if eval_sets:
+        row.update(evaluate_sets(rt, cfg, eval_sets))
     metrics_path = run_dir / "metrics.jsonl"
     with metrics_path.open("a") as f:
         f.write(json.dumps(row) + "\n")
@@ -513,157 +546,7 @@ def keep_lines_up_to(path: Path, step: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Each stage's data by difficulty (paper section 4.3: stages move to harder data as the policy learns). A scan
-# samples generator cells (family, level); the stage trains on the cells the policy has been right on. Three
-# rules, each measured (docs/design.md, "Each stage's problems"):
-#   * a cell with no right answer after one pass is scanned again (scan_rounds): a family solved 1 time in 8 at
-#     T = 1 is missed by one pass of 8 rollouts 34% of the time ((7/8)^8), by two passes 12%;
-#   * a cell found right stays in the stage's mix, even when the scan found it always right: a family the SFT
-#     model solves is not left out while training on the others erases it; when it starts to fail, its groups
-#     turn mixed and the update restores it (all-equal groups cost rollouts, no update);
-#   * rescans (every scan_every steps) look only at the cells not yet found, for families the policy has
-#     learned to solve sometimes.
-
-
-def cell_name(cell) -> str:
-    """A (family, level) cell as logs and checkpoints name it: "gcd_lcm/L1"."""
-    return f"{cell[0]}/L{cell[1]}"
-
-
-def stage_cells(cfg: Config) -> list:
-    """Every (family, level) cell of the stage: families x levels."""
-    import tasks
-
-    return [(family, level) for family in (cfg.families or tasks.FAMILIES) for level in cfg.levels]
-
-
-def difficulty_scan(rt: Runtime, cfg: Config, step: int, cells=None) -> dict:
-    """{(family, level): (right, rollouts)} for `cells` (default: all of the stage's): scan_problems fresh train
-    problems per cell x scan_samples rollouts each, at the training temperature (the sampler the stage's groups
-    will come from); the cells with no right answer yet get another pass of new problems, scan_rounds passes in
-    all."""
-    import tasks
-
-    counts = {cell: (0, 0) for cell in (cells if cells is not None else stage_cells(cfg))}
-    todo, rounds = list(counts), max(1, cfg.scan_rounds)
-    for pass_ in range(rounds):
-        if not todo:
-            break
-        first = (step * rounds + pass_) * cfg.scan_problems  # every pass sees new problems
-        problems = [tasks.problem_at(first + i, seed=cfg.seed + 4099, split="train", cells=[cell])
-                    for cell in todo for i in range(cfg.scan_problems)]
-        groups = generate_groups(rt, cfg, problems, cfg.scan_samples, seed=rollout_seed("scan", cfg.seed, step, pass_))
-        for k, cell in enumerate(todo):
-            rewards = [t.reward > 0 for group in groups[k * cfg.scan_problems:(k + 1) * cfg.scan_problems]
-                       for t in group]
-            right, n = counts[cell]
-            counts[cell] = (right + sum(rewards), n + len(rewards))
-        todo = [cell for cell in todo if counts[cell][0] == 0]
-    return counts
-
-
-def choose_cells(rt: Runtime, cfg: Config, stage: str, step: int, run_dir: Path, found: list) -> tuple[list, dict]:
-    """A difficulty scan of the cells not in `found` (those right at an earlier scan of the stage), one log line
-    and a line of run_dir/scan.jsonl. Returns `found` and the newly right cells, in the stage's cell order, and
-    the scan's counts {"family/Llevel": [right, rollouts]}."""
-    every = stage_cells(cfg)
-    t0 = time.time()
-    counts = difficulty_scan(rt, cfg, step, [c for c in every if c not in found])
-    seconds = time.time() - t0
-    new = [c for c, (right, _) in counts.items() if right > 0]
-    found = [c for c in every if c in found or c in new]
-    name = {c: cell_name(c) for c in every}
-    rate = {c: f"{right}/{n}" for c, (right, n) in counts.items()}
-    log(f"[stage {stage}] difficulty scan at step {step} ({len(counts)} cells, {cfg.scan_problems} x "
-        f"{cfg.scan_samples} per pass, {seconds:.0f} s): "
-        + (f"right in {', '.join(f'{name[c]} {rate[c]}' for c in new)}" if new else "no new cell is ever right")
-        + (f"; training on {', '.join(name[c] for c in found)}" if found else
-           "; training on every cell (none has been right: dynamic sampling drops the all-wrong groups)"))
-    with (run_dir / "scan.jsonl").open("a") as f:
-        f.write(json.dumps({"step": step, "rates": {name[c]: right / n for c, (right, n) in counts.items()},
-                            "rollouts": {name[c]: n for c, (_, n) in counts.items()},
-                            "cells": [name[c] for c in (found or every)],
-                            "scan_time_s": round(seconds, 1)}) + "\n")
-    return found, {name[c]: [right, n] for c, (right, n) in counts.items()}
-
-
-# Which found cell each drawn problem comes from (cfg.cell_sampling). "turn": dealt in turn (load_problem_source).
-# "learnability": in proportion to the chance that a problem of the cell gives a group the update can use, so a
-# step's rollouts go where they teach: a solved family's groups are all right and dropped, a family right 1 time
-# in 16 is mixed in 40% of its groups, one right half the time in 96%. Sampling by success rate in this spirit
-# is the learnability curriculum of Foster et al. (2025, arXiv 2502.12272), whose weight is p (1 - p); here it is
-# the dynamic-sampling rule itself: a group of 2G rollouts trains when, after RoC keeps G, it still holds a right
-# and a wrong answer. p is the cell's recent rate: the scan's counts, then each step's, the older ones weighted
-# by CELL_RATE_DECAY a step. A cell not drawn for a while drifts back towards p = 1/2 and is looked at again, and
-# CELL_FLOOR keeps solved cells in the mix (a family the policy starts to forget turns mixed and is drawn more).
-
-CELL_RATE_DECAY = 0.5   # a step's counts weigh half the next step's: the rate follows a policy that learns
-CELL_FLOOR = 0.05       # weight every found cell keeps whatever its rate (a cell right half the time: ~1)
-
-
-def informative_chance(p: float, n: int, keep: int, mode: str = "roc") -> float:
-    """P(a group of n rollouts, each right with probability p, is mixed after 2G -> G): the chance the step's
-    dynamic sampling keeps it. With k right of n (binomial):
-      roc / topk: the counts grpo_roc.roc_kept_counts keeps (the wrong ones floor((n - k) G / n), the right ones
-                  the rest): mixed iff both are >= 1 (2G -> G: k >= 1 right and >= 2 wrong)
-      none:       a uniform G-subset: mixed unless all G drawn are right or all wrong,
-                  1 - C(k, G) / C(n, G) - C(n - k, G) / C(n, G)"""
-    import grpo_roc
-
-    total = 0.0
-    for k in range(n + 1):
-        if mode == "none":
-            mixed = 1 - (math.comb(k, keep) + math.comb(n - k, keep)) / math.comb(n, keep)
-        else:
-            mixed = float(min(grpo_roc.roc_kept_counts(k, n - k, keep)) >= 1)
-        total += math.comb(n, k) * p ** k * (1 - p) ** (n - k) * mixed
-    return total
-
-
-def deal_cells(cells: list, rates: dict, n: int, rng: random.Random, cfg: Config) -> list:
-    """n cells for one step's draw, in the cells' order: weights w_c = informative_chance(p_c) + CELL_FLOOR with
-    p_c = (right + 1/2) / (rollouts + 1) (smoothed: a cell with no counts has p = 1/2), drawn by systematic
-    sampling: one uniform offset u, draw j takes the cell whose stretch of the cumulative shares holds (u + j) / n.
-    Each cell comes n s_c times on average (s_c its share), and floor(n s_c) or ceil(n s_c) times in every deal."""
-    weights = []
-    for cell in cells:
-        right, rollouts = rates.get(cell_name(cell), (0.0, 0.0))
-        p = (right + 0.5) / (rollouts + 1)
-        weights.append(informative_chance(p, cfg.group_size * cfg.oversample, cfg.group_size, cfg.roc_mode)
-                       + CELL_FLOOR)
-    total, u = sum(weights), rng.random()
-    deal, edge, c = [], 0.0, 0
-    for j in range(n):
-        point = (u + j) / n * total
-        while c < len(cells) - 1 and edge + weights[c] <= point:
-            edge += weights[c]
-            c += 1
-        deal.append(cells[c])
-    return deal
-
-
-def update_cell_rates(rates: dict, step_counts: dict) -> dict:
-    """Every cell's [right, rollouts] times CELL_RATE_DECAY, plus this step's counts (select_step_batch's
-    rollouts_by_cell): right_c <- d right_c + r_c, rollouts_c <- d rollouts_c + n_c."""
-    out = {name: [CELL_RATE_DECAY * right, CELL_RATE_DECAY * n] for name, (right, n) in rates.items()}
-    for name, (right, n) in step_counts.items():
-        old = out.get(name, [0.0, 0.0])
-        out[name] = [old[0] + right, old[1] + n]
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Stage 3's data: the problems the latest policy does not solve in all of 8 rollouts
-
-
-def hard_subset(rt: Runtime, cfg: Config, problem_at) -> list[int]:
-    """Indices (into problem_at) of the scanned problems that the policy does not solve in all hard_samples tries."""
-    candidates = [problem_at(i) for i in range(cfg.hard_scan)]
-    groups = generate_groups(rt, cfg, candidates, cfg.hard_samples, seed=rollout_seed("hard", cfg.seed))
-    hard = [i for i, g in enumerate(groups) if sum(t.reward for t in g) < cfg.hard_samples]
-    log(f"[stage 3] hard subset: {len(hard)} of {len(candidates)} problems are not solved {cfg.hard_samples}/"
-        f"{cfg.hard_samples} by the latest policy")
-    return hard
 
 
 def stage3_subset(rt: Runtime, cfg: Config, problem_at, start) -> list[int]:
@@ -673,7 +556,7 @@ def stage3_subset(rt: Runtime, cfg: Config, problem_at, start) -> list[int]:
     if start is not None and start.get("stage") == "3" and start.get("hard_subset") is not None:
         log(f"[stage 3] hard subset from the checkpoint: {len(start['hard_subset'])} problems")
         return list(start["hard_subset"])
-    return on_rank0(hard_subset, rt, cfg, problem_at)
+    return on_rank0(curriculum.hard_subset, sampler(rt, cfg), cfg, problem_at)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -16,6 +16,13 @@ import resource
 from pathlib import Path
 
 from config import Config, UsageError
+from distributed import DIST
+
+
+def log(msg: str) -> None:
+    """One line of the run's story on stdout; under torchrun, rank 0 speaks for all."""
+    if DIST.rank == 0:
+        print(msg, flush=True)
 
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import curriculum
 import distributed
 import model as models
 import rstar2_mini as R
@@ -335,7 +336,7 @@ def test_a_problem_all_wrong_is_sampled_again_and_its_second_group_trains(monkey
 
 def test_stage3_resume_takes_the_hard_subset_from_the_checkpoint(monkeypatch):
     """A resumed stage 3 trains on the subset it started with; only a fresh stage 3 scans."""
-    monkeypatch.setattr(R, "hard_subset", lambda rt, cfg, problem_at: [3, 5, 8])
+    monkeypatch.setattr(curriculum, "hard_subset", lambda sample, cfg, problem_at: [3, 5, 8])
     cfg = R.Config()
     assert R.stage3_subset(None, cfg, None, None) == [3, 5, 8]                       # fresh: a scan
     assert R.stage3_subset(None, cfg, None, {"stage": "2", "step": 4}) == [3, 5, 8]   # from stage 2: a scan
@@ -393,7 +394,7 @@ def test_a_scan_passes_again_over_the_cells_no_rollout_was_right_on(tmp_path, mo
 
     monkeypatch.setattr(R, "generate_groups", fake_groups)
     cfg = R.Config(scan_problems=2, scan_samples=4, scan_rounds=2, levels=(1,))
-    counts = R.difficulty_scan(None, cfg, 0)
+    counts = curriculum.difficulty_scan(R.sampler(None, cfg), cfg, 0)
     assert len(counts) == 11 and counts[("product", 1)] == (8, 8)
     assert counts[("gcd_lcm", 1)] == (2, 16)                  # one right rollout of each second-pass problem
     assert all(v == (0, 16) for c, v in counts.items() if c[0] not in ("product", "gcd_lcm"))
@@ -401,11 +402,11 @@ def test_a_scan_passes_again_over_the_cells_no_rollout_was_right_on(tmp_path, mo
     assert not set(calls[0]) & set(calls[1])                  # new problems
 
     calls.clear()
-    found, counts = R.choose_cells(None, cfg, "1", 0, tmp_path, [])
+    found, counts = curriculum.choose_cells(R.sampler(None, cfg), cfg, "1", 0, tmp_path, [])
     assert counts["gcd_lcm/L1"] == [2, 16] and counts["product/L1"] == [8, 8]
     assert found == [("product", 1), ("gcd_lcm", 1)]
     calls.clear()
-    found, _ = R.choose_cells(None, cfg, "1", 3, tmp_path, found)  # a rescan: the other 9 cells only
+    found, _ = curriculum.choose_cells(R.sampler(None, cfg), cfg, "1", 3, tmp_path, found)  # a rescan: the other 9 cells only
     assert found == [("product", 1), ("gcd_lcm", 1)] and [len(c) for c in calls] == [18, 18]
     scans = [json.loads(x) for x in (tmp_path / "scan.jsonl").read_text().splitlines()]
     assert scans[0]["rates"]["gcd_lcm/L1"] == 2 / 16 and scans[0]["rollouts"]["product/L1"] == 8
@@ -413,7 +414,7 @@ def test_a_scan_passes_again_over_the_cells_no_rollout_was_right_on(tmp_path, mo
     # nothing ever right: the stage trains on every cell (and says so), and the next scan looks at all of them
     monkeypatch.setattr(R, "generate_groups", lambda rt, cfg, problems, n, seed, **kw: [
         [scheduler.Trajectory(p.id, [1], [scheduler.Segment([2], 1)], reward=0.0)] * n for p in problems])
-    assert R.choose_cells(None, cfg, "1", 0, tmp_path, [])[0] == []
+    assert curriculum.choose_cells(R.sampler(None, cfg), cfg, "1", 0, tmp_path, [])[0] == []
     assert len(json.loads((tmp_path / "scan.jsonl").read_text().splitlines()[-1])["cells"]) == 11
 
 
@@ -454,8 +455,8 @@ def test_the_chance_a_group_informs_the_update_counts_every_reward_pattern():
                         subsets = list(itertools.combinations(range(n), G))
                     mixed = sum(grpo_roc.drop_uninformative([[pattern[i] for i in s]])[0] for s in subsets)
                     total += p ** k * (1 - p) ** (n - k) * mixed / len(subsets)
-                assert R.informative_chance(p, n, G, mode) == pytest.approx(total, abs=1e-12), (G, p, mode)
-    assert R.informative_chance(1 / 16, 8, 4, "roc") == pytest.approx(1 - (15 / 16) ** 8 - (1 / 16) ** 8
+                assert curriculum.informative_chance(p, n, G, mode) == pytest.approx(total, abs=1e-12), (G, p, mode)
+    assert curriculum.informative_chance(1 / 16, 8, 4, "roc") == pytest.approx(1 - (15 / 16) ** 8 - (1 / 16) ** 8
                                                                        - 8 * (1 / 16) ** 7 * (15 / 16))
 
 
@@ -468,14 +469,14 @@ def test_a_learnability_deal_gives_each_cell_its_share_of_the_draw():
     cfg = R.Config(group_size=4, oversample=2)
 
     def weight(right, n):
-        return R.informative_chance((right + 0.5) / (n + 1), 8, 4, "roc") + R.CELL_FLOOR
+        return curriculum.informative_chance((right + 0.5) / (n + 1), 8, 4, "roc") + curriculum.CELL_FLOOR
 
     w = [weight(*rates["product/L1"]), weight(*rates["gcd_lcm/L1"]), weight(*rates["fibonacci/L1"]), weight(0, 0)]
     share = [x / sum(w) for x in w]
     n, deals = 8, 4000
     mean = [0.0] * 4
     for seed in range(deals):
-        deal = R.deal_cells(cells, rates, n, random.Random(seed), cfg)
+        deal = curriculum.deal_cells(cells, rates, n, random.Random(seed), cfg)
         assert len(deal) == n and deal == sorted(deal, key=cells.index)
         for j, cell in enumerate(cells):
             count = deal.count(cell)
@@ -486,37 +487,47 @@ def test_a_learnability_deal_gives_each_cell_its_share_of_the_draw():
 
 def test_cell_rates_decay_each_step_and_add_the_steps_rollouts():
     """update_cell_rates: every cell's counts times CELL_RATE_DECAY, plus this step's (right, rollouts)."""
-    d = R.CELL_RATE_DECAY
-    rates = R.update_cell_rates({"a/L1": [2.0, 8.0], "b/L1": [0.0, 8.0]}, {"a/L1": [3, 8], "c/L1": [1, 8]})
+    d = curriculum.CELL_RATE_DECAY
+    rates = curriculum.update_cell_rates({"a/L1": [2.0, 8.0], "b/L1": [0.0, 8.0]}, {"a/L1": [3, 8], "c/L1": [1, 8]})
     assert rates == {"a/L1": [2 * d + 3, 8 * d + 8], "b/L1": [0.0, 8 * d], "c/L1": [1.0, 8.0]}
 
 
 def test_the_heldout_report_gives_each_change_its_paired_standard_error():
     """The run's last lines, checked against statistics.stdev: per-problem pass@1 before and after, the change's
-    noise the standard error of the per-problem differences; trained and other families split."""
+    noise the standard error of the per-problem differences; trained and other families split; the test set
+    first, then the validation set with its families; a set the before-row lacks is left out."""
     import statistics
 
     import tasks
 
     problems = [tasks.Problem(f"p{i}", "q", "1", family=f) for i, f in enumerate(["a", "a", "b", "b"])]
+    tests = [tasks.Problem(f"t{i}", "q", "1", family=f) for i, f in enumerate(["a", "b"])]
     before, after = [0.5, 0.0, 1.0, 0.5], [1.0, 0.5, 0.5, 0.5]
-    lines = R.heldout_report("1", problems, {"heldout_acc_by_problem": before}, {"heldout_acc_by_problem": after},
-                             {"a"}, 2, 0.6)
+    sets = {"heldout": problems, "test": tests}
+    rows_before = {"heldout_acc_by_problem": before, "test_acc_by_problem": [0.0, 1.0]}
+    rows_after = {"heldout_acc_by_problem": after, "test_acc_by_problem": [1.0, 1.0]}
+    lines = R.heldout_report("1", sets, rows_before, rows_after, {"a"}, 2, 0.6)
 
     def se(xs):
         return statistics.stdev(xs) / len(xs) ** 0.5
 
     d = [y - x for x, y in zip(before, after)]
-    assert "4 problems x 2 samples at T = 0.6" in lines[0]
-    assert lines[1].split() == ["all", "2", "families", "0.500", "±", f"{se(before):.3f}", "->", "0.625", "±",
-                                f"{se(after):.3f}", "change", "+0.125", "±", f"{se(d):.3f}"]
-    assert lines[2].split()[:4] == ["trained", "on", "(1", "family)"] and "change +0.500 ± 0.000" in lines[2]
-    assert lines[3].split()[:4] == ["the", "other", "1", "family"] and "0.750" in lines[3] and "-0.250" in lines[3]
-    assert lines[4].split()[:3] == ["a", "(trained", "on)"] and lines[5].split()[0] == "b"
-    one = R.heldout_report("1", problems, {"heldout_acc_by_problem": before}, {"heldout_acc_by_problem": after},
-                           {"a"}, 1, 0.6)
-    assert "4 problems x 1 sample at T = 0.6" in one[0] and "trained on (1 family)" in one[2]
-    assert one[3].split()[:4] == ["the", "other", "1", "family"]
+    assert "2 samples a problem at T = 0.6" in lines[0]
+    assert lines[1].split() == ["test:", "all", "2", "families", "(2", "problems)", "0.500", "±", "0.500", "->",
+                                "1.000", "±", "0.000", "change", "+0.500", "±", "0.500"]
+    assert lines[2].split()[:5] == ["test:", "trained", "on", "(1", "family)"] and "change +1.000" in lines[2]
+    assert lines[4].split() == ["validation:", "all", "2", "families", "(4", "problems)", "0.500", "±",
+                                f"{se(before):.3f}", "->", "0.625", "±", f"{se(after):.3f}", "change", "+0.125", "±",
+                                f"{se(d):.3f}"]
+    assert lines[5].split()[:5] == ["validation:", "trained", "on", "(1", "family)"]
+    assert "change +0.500 ± 0.000" in lines[5]
+    assert lines[6].split()[:5] == ["validation:", "the", "other", "1", "family"]
+    assert "0.750" in lines[6] and "-0.250" in lines[6]
+    assert lines[7].split()[:4] == ["validation:", "a", "(trained", "on)"] and lines[8].split()[1] == "b"
+    assert "conditional on that choice" in lines[-1]
+    older = R.heldout_report("1", sets, {"heldout_acc_by_problem": before}, rows_after, {"a"}, 1, 0.6)
+    assert "1 sample a problem" in older[0] and not any("test:" in line for line in older)
+    assert older[1].split()[:3] == ["validation:", "all", "2"]
 
 
 def test_difficulty_scans_choose_the_cells_rescan_and_resume_without_a_new_scan(tmp_path, tokenizer, monkeypatch):
@@ -580,7 +591,7 @@ def test_learnability_sampling_deals_by_the_scans_rates_logs_each_cell_and_resum
     cells = [("product", 1), ("modular_power", 1), ("gcd_lcm", 1)]
     scanned = {f"{f}/L1": [0, 8] for f in tasks.FAMILIES}   # scan_world's rates: 2 problems x 4, one pass
     scanned |= {"product/L1": [2, 8], "modular_power/L1": [8, 8], "gcd_lcm/L1": [4, 8]}
-    deal = R.deal_cells(cells, scanned, 4, random.Random(cfg.seed), cfg)
+    deal = curriculum.deal_cells(cells, scanned, 4, random.Random(cfg.seed), cfg)
     assert [(p.family, p.level) for p in trained[:4]] == deal
     for r, first in zip(rows, range(0, 16, 4)):
         drawn = trained[first:first + 4]
@@ -595,7 +606,7 @@ def test_learnability_sampling_deals_by_the_scans_rates_logs_each_cell_and_resum
     (tmp_path / "b").mkdir()
     run(tmp_path / "b", steps=2)
     state = torch.load(R.latest_checkpoint(tmp_path / "b") / "trainer_state.pt", weights_only=False)
-    rates = R.update_cell_rates(R.update_cell_rates(scanned, rows[0]["rollouts_by_cell"]), rows[1]["rollouts_by_cell"])
+    rates = curriculum.update_cell_rates(curriculum.update_cell_rates(scanned, rows[0]["rollouts_by_cell"]), rows[1]["rollouts_by_cell"])
     assert state["cell_rates"].keys() == rates.keys()
     for k, v in rates.items():
         assert state["cell_rates"][k] == pytest.approx(v), k
@@ -1169,14 +1180,15 @@ def test_each_use_of_rollouts_samples_its_own_stream(monkeypatch):
             R.select_step_batch(None, cfg, lambda i: problem, 0, step, random.Random(0))
             call = ("scan", seed, step)
             with pytest.raises(Recorded):
-                R.difficulty_scan(None, cfg, step)
+                curriculum.difficulty_scan(R.sampler(None, cfg), cfg, step)
         call = ("hard", seed)
         with pytest.raises(Recorded):
-            R.hard_subset(None, cfg, lambda i: problem)
-    call = ("heldout",)
-    with pytest.raises(Recorded):
-        R.heldout_accuracy(None, R.Config(), [problem])
-    assert sum(len(c) for c in seen.values()) == 4 * 40 * (3 + 1) + 4 + 1
+            curriculum.hard_subset(R.sampler(None, cfg), cfg, lambda i: problem)
+    for split in ("heldout", "test"):
+        call = (split,)
+        with pytest.raises(Recorded):
+            R.heldout_accuracy(None, R.Config(), [problem], split)
+    assert sum(len(c) for c in seen.values()) == 4 * 40 * (3 + 1) + 4 + 2
     shared = {seed: calls for seed, calls in seen.items() if len(calls) > 1}
     assert not shared, list(shared.items())[:3]
 
