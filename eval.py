@@ -693,15 +693,17 @@ def main(argv=None) -> int:
                                  "k samples, up to 30 tool-using turns, temperature 0.6.")
     ap.add_argument("--model", default="smollm2-135m", help="model directory, or smollm2-135m (bundled)")
     ap.add_argument("--data", default="heldout", help="a JSONL/JSON file, a benchmark name (aime24, aime25, "
-                    "hmmt25, math500, amc23, gsm8k) or heldout (the generator's held-out split)")
+                    "hmmt25, math500, amc23, gsm8k), heldout or validation (the generator's validation set, what a "
+                    "run prints) or test (its test split: report only, never tune on it)")
     ap.add_argument("--samples", type=int, default=16, help="samples per problem (paper: 16)")
     ap.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (paper: 0.6)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-turns", type=int, default=30, help="assistant turns (paper: 30 at evaluation)")
     ap.add_argument("--max-tokens", type=int, default=12288, help="response budget, tool tokens included")
     ap.add_argument("--limit", type=int, help="evaluate only the first N problems")
-    ap.add_argument("--levels", default="1,2", help="generator levels for --data heldout")
-    ap.add_argument("--families", help="generator families for --data heldout, comma-separated (default: all)")
+    ap.add_argument("--levels", default="1,2", help="generator levels for --data heldout / test")
+    ap.add_argument("--families", help="generator families for --data heldout / test, comma-separated (default: "
+                    "all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=16, help="CPU engine: sequences decoded together")
     ap.add_argument("--engine", default="auto", help="auto (vLLM on GPUs when installed, else ours) | vllm | "
@@ -717,10 +719,12 @@ def main(argv=None) -> int:
 
         if args.samples < 1 or (args.limit is not None and args.limit < 1):
             raise ValueError("--samples and --limit must be at least 1")
-        if args.data == "heldout":
+        if args.data in ("heldout", "validation", "test"):
             levels = tuple(int(x) for x in args.levels.split(","))
             families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
-            problems = tasks.heldout_problems(args.limit or 64, levels=levels, families=families)
+            split = "test" if args.data == "test" else "validation"
+            problems = tasks.evaluation_set(split, args.limit or 64, tasks.TEST_SEED if split == "test" else
+                                            tasks.VALIDATION_SEED, levels=levels, families=families)
         else:
             problems = tasks.load_problems(tasks.resolve_dataset(args.data), limit=args.limit)
         if not problems:

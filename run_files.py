@@ -102,6 +102,22 @@ def write_json_atomic(path: Path, obj) -> None:
 # Curves: one PNG a person can look at instead of reading metrics.jsonl
 
 
+def first_row(path: Path) -> dict:
+    """The first JSON line of `path` (metrics.jsonl's step 0: the held-out evaluation before RL), or {}."""
+    if not path.exists():
+        return {}
+    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    return json.loads(rows[0]) if rows else {}
+
+
+def keep_lines_up_to(path: Path, step: int) -> None:
+    """Drop the JSON lines of `path` whose "step" is past `step` (-1: all of them, for a fresh stage)."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    path.write_text("".join(r + "\n" for r in rows if json.loads(r).get("step", 0) <= step))
+
+
 def plot_curves(metrics_path: Path, out_png: Path) -> None:
     import matplotlib
 

@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_wordings_count_each_runs_heldout_problems_by_their_template(tmp_path):
     problems = tasks.heldout_problems(44, seed=1234, levels=(1,))
-    # right after RL: every third problem and every binomial "C(n, k)"; right before: none but the first
-    after = [float(i % 3 == 0 or "coefficient C(" in p.question) for i, p in enumerate(problems)]
+    # right after RL: every third problem and every binomial "Compute n choose k."; right before: none but the first
+    after = [float(i % 3 == 0 or p.question.startswith("Compute ") and " choose " in p.question)
+             for i, p in enumerate(problems)]
     before = [float(i == 0) for i in range(len(problems))]
     stage = tmp_path / "run" / "stage1"
     stage.mkdir(parents=True)
@@ -34,6 +35,6 @@ def test_wordings_count_each_runs_heldout_problems_by_their_template(tmp_path):
         expected[key] = (n_b + b, n_a + a, n + 1)
     assert {k: tuple(v) for k, v in got.items()} == expected
     assert sum(v[2] for v in got.values()) == 44
-    cnk = [v for k, v in got.items() if "coefficient C(N, N)" in k]
+    cnk = [v for k, v in got.items() if "Compute N choose N." in k]
     assert cnk and all(v[1] == v[2] for v in cnk)       # all right after, as constructed
-    assert "binomial | What is the binomial coefficient C(N, N)?" in out.stdout   # the printed table names it
+    assert "binomial | Compute N choose N." in out.stdout   # the printed table names it
