@@ -11,7 +11,8 @@ per model), docs/results-training.png (training curves of the runs, overlaid; th
 eval result is given, so that every held-out number comes from one source) and docs/results-families.png
 (held-out pass@1 per generator family for each model, from the eval results; without any, before and after each
 run), and prints the markdown tables. `--wordings` also prints each run's held-out problems right before and after
-RL by family and wording (the question with its numbers as N): which phrasings a run learned.
+RL by family and wording (the question with its numbers as N): which phrasings a run learned. Without eval
+results, a table gives each run name's validation and test pass@1 after RL as mean ± standard error over seeds.
 Several files may share a name (seeds): curves are drawn per file; tables give the mean and (min..max), the
 model plot the mean as a bar and each seed as a dot, the family plot the mean.
 The last line printed is one JSON object with every number (with eval results given, its "runs" part holds each
@@ -179,8 +180,9 @@ def main() -> None:
                 ax.grid(alpha=0.3)
             last = rows[-1] if rows else {}
             item = {"steps": last.get("step"), "wall_s": sum(r.get("step_time_s", 0) for r in rows)}
-            if not evals:   # the run's own first and last held-out evaluation
+            if not evals:   # the run's own first and last evaluations: validation (heldout_*) and test (test_*)
                 item |= {"heldout_before": every[0].get("heldout_acc"), "heldout_after": last.get("heldout_acc"),
+                         "test_before": every[0].get("test_acc"), "test_after": last.get("test_acc"),
                          "families_before": every[0].get("heldout_acc_by_family"),
                          "families_after": last.get("heldout_acc_by_family")}
             per_name[name].append(item)
@@ -190,10 +192,20 @@ def main() -> None:
         plt.close(fig)
         for name, items in per_name.items():
             report["runs"][name] = {"seeds": len(items), "runs": items}
-            if not evals:
-                after = [i["heldout_after"] for i in items if i["heldout_after"] is not None]
-                report["runs"][name] |= {"heldout_after_mean": statistics.mean(after) if after else None,
-                                         "heldout_after_stdev": statistics.stdev(after) if len(after) > 1 else None}
+            if not evals:   # the spread over seeds: mean ± stdev / sqrt(seeds)
+                for split in ("heldout", "test"):
+                    after = [i[f"{split}_after"] for i in items if i[f"{split}_after"] is not None]
+                    report["runs"][name] |= {
+                        f"{split}_after_mean": statistics.mean(after) if after else None,
+                        f"{split}_after_stdev": statistics.stdev(after) if len(after) > 1 else None,
+                        f"{split}_after_se": statistics.stdev(after) / len(after) ** 0.5 if len(after) > 1 else None}
+        if not evals:
+            print("| runs | seeds | validation pass@1 after RL | test pass@1 after RL |\n|---|---|---|---|")
+            for name, r in report["runs"].items():
+                cells = [fmt(r[f"{s}_after_mean"]) + (f" ± {r[f'{s}_after_se']:.3f}" if r[f"{s}_after_se"] else "")
+                         for s in ("heldout", "test")]
+                print(f"| {name} | {r['seeds']} | {cells[0]} | {cells[1]} |")
+            print("(± one standard error over seeds: the seeds' standard deviation / sqrt(seeds))\n")
         if not evals:   # without eval results: each run's first and last held-out evaluation
             first = next(iter(per_name.values()))
             families = {"before RL": [i["families_before"] for i in first]}

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import tasks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,3 +40,34 @@ def test_wordings_count_each_runs_heldout_problems_by_their_template(tmp_path):
     cnk = [v for k, v in got.items() if "Compute N choose N." in k]
     assert cnk and all(v[1] == v[2] for v in cnk)       # all right after, as constructed
     assert "binomial | Compute N choose N." in out.stdout   # the printed table names it
+
+
+def test_seed_spread_of_validation_and_test_is_the_standard_error_over_seeds(tmp_path):
+    """Three seeds' last evaluations -> mean ± standard error over seeds (stdev / sqrt(n), by statistics.stdev),
+    for the validation set (heldout_*) and the test split (test_*) alike; a run without a test evaluation (older
+    versions) leaves the test figure out instead of counting it as zero."""
+    import statistics
+
+    finals = {"s0": (0.40, 0.35), "s1": (0.45, 0.30), "s2": (0.50, 0.41)}
+    args = []
+    for name, (val, test) in finals.items():
+        stage = tmp_path / name / "stage1"
+        stage.mkdir(parents=True)
+        rows = [{"step": 0, "heldout_acc": 0.1, "test_acc": 0.12},
+                {"step": 1, "reward": 0.5, "step_time_s": 1.0, "heldout_acc": val, "test_acc": test}]
+        (stage / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        args += ["--run", f"preset={stage / 'metrics.jsonl'}"]
+    old = tmp_path / "old" / "stage1"
+    old.mkdir(parents=True)
+    (old / "metrics.jsonl").write_text(json.dumps({"step": 0, "heldout_acc": 0.1}) + "\n" + json.dumps(
+        {"step": 1, "reward": 0.5, "step_time_s": 1.0, "heldout_acc": 0.3}) + "\n")
+    args += ["--run", f"older={old / 'metrics.jsonl'}"]
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "results.py"), *args, "--out", str(tmp_path / "docs")],
+                         capture_output=True, text=True, check=True)
+    runs = json.loads(out.stdout.strip().splitlines()[-1])["runs"]
+    for split, k in (("heldout", 0), ("test", 1)):
+        xs = [v[k] for v in finals.values()]
+        assert runs["preset"][f"{split}_after_mean"] == pytest.approx(statistics.mean(xs), abs=1e-12)
+        assert runs["preset"][f"{split}_after_se"] == pytest.approx(statistics.stdev(xs) / 3 ** 0.5, abs=1e-12)
+    assert runs["older"]["test_after_mean"] is None and runs["older"]["heldout_after_se"] is None
+    assert "| preset | 3 | 0.450 ± 0.029 | 0.353 ± 0.032 |" in out.stdout
