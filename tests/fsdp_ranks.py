@@ -10,6 +10,10 @@
         the policy read by rank 0 alone and broadcast (sharded_policy_from_rank0); one update; its optimizer state
         saved by rank 0 and loaded back by rank 0 alone (load_trainer_state, load_optimizer_state); each rank
         saves what it holds to OUT.rank{r}
+    python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py offload MODEL_DIR OUT
+        two policy updates, with and without the trainer's state sent to host memory and back between them
+        (distributed.move_trainer); rank 0 saves both runs' full weights, optimizer states and where the state
+        lived to OUT
 CPU ranks on purpose (gloo): the Configs here say device="cpu".
 """
 import random
@@ -106,6 +110,43 @@ def load_from_rank0(model_dir: str, out: str) -> None:
                f"{out}.rank{D.DIST.rank}")
 
 
+HELD = []  # the tensors storages() saw, held so that no later allocation can reuse their addresses
+
+
+def storages(policy, optimizer) -> set:
+    """The data pointers of every local shard and optimizer tensor this rank holds."""
+    local = lambda t: getattr(t, "_local_tensor", t)  # noqa: E731
+    tensors = [local(p) for p in policy.parameters()] + [local(v) for s in optimizer.state.values()
+                                                         for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    HELD.extend(tensors)
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def offload_round_trip(model_dir: str, out: str) -> None:
+    tokenizer = models.load_tokenizer(model_dir)
+    cfg = update_config()
+    result = {}
+    for offload in (False, True):
+        policy = D.shard_policy(models.load_model(model_dir), bf16=False)
+        rt = R.Runtime(policy, tokenizer, engines=[], pool=None, loop=None)
+        optimizer, schedule = R.make_optimizer(policy, cfg)
+        R.policy_update(rt, cfg, optimizer, schedule, fixed_batch(tokenizer), random.Random(0))
+        before, away, back = storages(policy, optimizer), None, None
+        if offload:
+            D.move_trainer(policy, optimizer, "host")
+            away = storages(policy, optimizer)
+            D.move_trainer(policy, optimizer, "device")
+            back = storages(policy, optimizer)
+        numbers = R.policy_update(rt, cfg, optimizer, schedule, fixed_batch(tokenizer), random.Random(1))
+        weights, opt = D.full_state(policy, optimizer)
+        HELD.clear()
+        result[offload] = {"weights": weights, "optimizer": opt, "numbers": numbers,
+                           "moved_away": away is not None and not (away & before),
+                           "moved_back": back is not None and not (back & away)}
+    if D.DIST.rank == 0:
+        torch.save(result, out)
+
+
 def Toy(id: str, question: str, answer: str):
     """A problem outside the generator (no family; level 1 by default), as a loaded data file gives."""
     return tasks.Problem(id, question, answer)
@@ -140,6 +181,8 @@ if __name__ == "__main__":
         one_update(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "load":
         load_from_rank0(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "offload":
+        offload_round_trip(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "sft":
         sft_steps(sys.argv[2], sys.argv[3], sys.argv[4])
     else:
