@@ -1028,7 +1028,7 @@ def main(argv=None) -> int:
         os.environ[SANDBOX_ISOLATION_ENV] = cfg.sandbox_isolation  # every sandbox pool of the run (SFT's too)
 
         base = models.resolve_model(cfg.model)
-        if device == "cuda" and cfg.stage != "sft":  # a plan that does not fit stops here, before any weight loads
+        if device == "cuda":  # a plan that does not fit (the SFT's too) stops here, before any weight loads
             plan = memory_plan_for(cfg, base)
             if not plan.fits:
                 import memory_plan
