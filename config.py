@@ -218,3 +218,4 @@ class Runtime:
     loop: asyncio.AbstractEventLoop
     accelerator: object = None
     reward_fn: object = None          # (response, gold) -> 0/1; default eval.reward (tests plug in toy tasks)
+    turns: object = None              # phases.Turns: the trainer's state in host memory during rollouts (paper scale)

@@ -353,7 +353,7 @@ def move_trainer(model, optimizer, to: str) -> dict:
     if to not in ("host", "device"):
         raise ValueError(f"move_trainer: to must be 'host' or 'device', not {to!r}")
     target = torch.device(DIST.device if to == "device" else "cpu")
-    if to == "host":
+    if to == "host" and optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     moved = 0
 
@@ -364,7 +364,7 @@ def move_trainer(model, optimizer, to: str) -> dict:
 
     with torch.no_grad():
         model._apply(move)     # parameters and buffers (the grads are None on the way out)
-        for state in optimizer.state.values():
+        for state in (optimizer.state.values() if optimizer is not None else ()):
             for k, v in list(state.items()):
                 if torch.is_tensor(v) and v.dim() > 0:   # AdamW's m and v (its step count stays a scalar)
                     state[k] = move(v)

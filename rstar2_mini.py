@@ -42,6 +42,7 @@ from distributed import (DIST, all_ranks_sum, barrier, close_distributed, exit_r
                          init_distributed, load_optimizer_state, load_trainer_state, sharded_policy_from_rank0,
                          without_torchrun_env)
 # the update of one step (rl_update.py); its log-prob helpers are named here too, for tests and checks
+import phases  # noqa: E402  (paper scale: rollouts and the update take turns on the GPUs)
 from rl_update import (bf16_option, engine_trainer_mismatch, policy_update, shared_prefix_length,  # noqa: F401
                        token_logprobs)
 from run_files import (peak_memory_gb, plot_curves, prepare_run_dir, reset_peak_memory, saved_setting,
@@ -354,8 +355,12 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
             raise UsageError(f"the checkpoint was written by {start.get('world', 1)} process(es) and this run has "
                              f"{DIST.world}: resume with the same number (torchrun --nproc-per-node)")
         if not reset_optimizer and start.get("optimizer") is not None:
+            turns = rt.turns or phases.Turns()
+            phases.for_update(turns, rt.engines, rt.model, optimizer)     # (its shards are filled on the GPUs)
             load_optimizer_state(rt.model, optimizer, start["optimizer"])
             schedule.load_state_dict(start["schedule"])
+            if turns.on:
+                phases.sync_for_rollouts(turns, rt.engines, rt.model, optimizer, full_state(rt.model)[0])
         if start.get("stage") == stage:  # resuming this very stage: continue its counters and randomness
             step, cursor = start["step"], start["cursor"]
             rng.setstate(start["roc_rng"])
@@ -407,14 +412,25 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
         rng.setstate(roc_rng)
         t_roll = time.time() - t0
         update = {"loss": None, "clip_frac": None, "grad_norm": None, "train_tokens": 0}
-        if any(abs(a) > 0 for _, a in kept):
+        train_now = any(abs(a) > 0 for _, a in kept)
+        turns, saved = rt.turns or phases.Turns(), None
+        save_now = turns.on and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps)
+        if train_now or save_now:
+            phases.for_update(turns, rt.engines, rt.model, optimizer)  # (offload: engines asleep, state on GPUs)
+        if train_now:
             update = policy_update(rt, cfg, optimizer, schedule, kept, rng, loss_sign)
             models.free_between_phases()  # the update's activations and graphs, before the engines reload
-            weights, _ = full_state(rt.model)
-            if lead:  # weight sync: the next rollouts sample the new policy
-                scheduler.sync_weights(rt.engines, weights if weights is not None else unwrapped(rt))
+        if train_now or save_now:
+            # offload: a checkpoint's state is gathered now, while it is on the GPUs (written below)
+            weights, opt_state = full_state(rt.model, optimizer if save_now else None)
+            saved = (weights, opt_state) if save_now else None
+            # weight sync: the next rollouts sample the new policy (offload: then the state to host memory)
+            phases.sync_for_rollouts(turns, rt.engines, rt.model, optimizer,
+                                     weights if weights is not None else unwrapped(rt))
+            if lead:
                 update |= vllm_engine.sync_report(rt.engines)  # vLLM: time, tensors per engine, checksums
-            del weights
+                update |= dict(turns.timings) if turns.on else {}
+            del weights, opt_state
             models.release_freed_memory()
         update |= gpu_memory_by_rank()  # a collective: every rank's peaks reach rank 0's metrics line
         step += 1
@@ -433,7 +449,8 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
                     f"({cfg.eval_problems} problems x {plural(cfg.eval_samples, 'sample')})")
         if step % cfg.save_every == 0 or final:  # after the metrics line: a resume drops lines past its step
             barrier()  # while rank 0 evaluates, the others wait here (gloo), not inside full_state's NCCL gather
-            weights, opt_state = full_state(rt.model, optimizer)
+            weights, opt_state = saved if saved is not None else full_state(rt.model, optimizer)
+            saved = None
             if lead:
                 state = {"step": step, "cursor": cursor, "stage": stage, "optimizer": opt_state,
                          "schedule": schedule.state_dict(), "rng": rng_state(), "roc_rng": rng.getstate(),
@@ -720,6 +737,8 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
     else:               # fp32 master weights
         policy = models.load_model(model_path, dtype=torch.float32, device=device)
     n_params = sum(p.numel() for p in policy.parameters())  # (under FSDP: DTensors count their full size)
+    turns = phases.turns_for(cfg)   # paper scale: the trainer's state waits in host memory while engines generate
+    phases.trainer_to_host(turns, policy)
     if DIST.world > 1:
         if use_vllm:  # every rank's full copy must be gone before vLLM measures the free memory
             models.release_freed_memory()
@@ -730,13 +749,16 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
     if DIST.rank == 0:  # the rollout side lives on rank 0 only
         if use_vllm:  # the GPUs (or their shares) that the trainer leaves: scheduler.vllm_placement
             devices, fraction = None, 0.85  # a CPU build of vLLM: one engine, sized by VLLM_CPU_KVCACHE_SPACE
+            engine_args = {"enable_sleep_mode": True} if turns.on else {}
             if device == "cuda":
                 try:
+                    plan = memory_plan_for(cfg, model_path)
                     devices, fraction = scheduler.vllm_placement(torch.cuda.device_count(), DIST.world, n_params,
                                                                  torch.cuda.get_device_properties(0).total_memory,
-                                                                 plan=memory_plan_for(cfg, model_path))
+                                                                 plan=plan)
                 except ValueError as e:
                     raise UsageError(str(e)) from None
+                engine_args |= plan.engine_args   # max_num_seqs, max_num_batched_tokens (vLLM's defaults: 128, 2K)
             with without_torchrun_env():
                 engines = scheduler.VLLMEngine.launch(str(model_path), loop, seed=cfg.seed, devices=devices,
                                                       max_model_len=cfg.max_response_tokens + 2048,
@@ -744,7 +766,7 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
                                                       # bf16 on GPUs; on a CPU as the CPU engine's copy
                                                       # (precision=fp32: float32, auto: bf16 where fast)
                                                       dtype=str(models.engine_dtype(bf16_option(cfg), device)
-                                                                ).removeprefix("torch."))
+                                                                ).removeprefix("torch."), **engine_args)
         else:
             dtype = models.engine_dtype(bf16_option(cfg), device)   # bf16 where that is fast
             # in the trainer's own precision (fp32 on a CPU without bf16 units) the engine samples from the
@@ -765,7 +787,7 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
         from accelerate import Accelerator
 
         accelerator = Accelerator(mixed_precision="bf16")  # bf16 autocast on GPU; fp32 on CPU (no accelerator)
-    return Runtime(policy, tokenizer, engines, pool, loop, accelerator)
+    return Runtime(policy, tokenizer, engines, pool, loop, accelerator, turns=turns)
 
 
 def unwrapped(rt: Runtime):

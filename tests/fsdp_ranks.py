@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py update MODEL_DIR OUT
         one policy update of a fixed batch; rank 0 saves the full weights and the update's numbers to OUT
     python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py stage MODEL_DIR RUN_DIR STEPS
-        RL steps with rollouts on rank 0 (coin reward), the update sharded over both ranks, checkpoints
+        RL steps with rollouts on rank 0 (coin reward), the update sharded over both ranks, checkpoints; a fifth
+        argument "offload": the trainer's state in host memory between updates (phases.py)
     python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py sft MODEL_DIR CHATS_JSONL OUT_DIR
         SFT steps on a fixed chat file (sft_config), the model sharded; rank 0 saves the model to OUT_DIR
     python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py load MODEL_DIR OUT
@@ -156,8 +157,8 @@ def coin(response, gold):
     return float(sum(map(ord, response)) % 2)
 
 
-def stage(model_dir: str, run_dir: str, steps: int) -> None:
-    cfg = R.Config(out=run_dir, steps=steps, groups_per_step=2, group_size=2, oversample=2, max_draw_rounds=1,
+def stage(model_dir: str, run_dir: str, steps: int, offload: bool = False) -> None:
+    cfg = R.Config(offload_trainer=offload, out=run_dir, steps=steps, groups_per_step=2, group_size=2, oversample=2, max_draw_rounds=1,
                    max_turns=3, max_response_tokens=192, temperature=1.3, lr=1e-3, warmup_steps=1, minibatches=2,
                    micro_batch_tokens=4096, eval_problems=0, save_every=1, engine_batch=8, deterministic=True,
                    drop_all_equal=False, tool_timeout_s=5.0, samples_per_step=1, resume=True, precision="fp32",
@@ -186,6 +187,6 @@ if __name__ == "__main__":
     elif sys.argv[1] == "sft":
         sft_steps(sys.argv[2], sys.argv[3], sys.argv[4])
     else:
-        stage(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        stage(sys.argv[2], sys.argv[3], int(sys.argv[4]), offload=sys.argv[5:] == ["offload"])
     D.close_distributed()
     D.exit_rank(0)
