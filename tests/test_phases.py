@@ -59,3 +59,114 @@ def test_rl_steps_with_the_trainer_offloaded_between_updates_equal_steps_without
     assert [x.get("loss") for x in m0] == [x.get("loss") for x in m1]
     assert any(x.get("loss") is not None for x in m1)   # the steps trained
     assert any("trainer_to_host_s" in x for x in m1) and not any("trainer_to_host_s" in x for x in m0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# vLLM's side, with a stand-in for vLLM's AsyncLLM (vLLM itself is not installed for the CPU suite)
+
+
+def fake_vllm(monkeypatch, calls: list, captured: list):
+    """vllm.AsyncEngineArgs and vllm.v1.engine.async_llm.AsyncLLM stand-ins: the engine arguments are captured, the
+    sleep-mode calls recorded in order; one engine with a KV capacity of 4,096 tokens."""
+    import types
+
+    class AsyncEngineArgs:
+        def __init__(self, **kw):
+            captured.append(kw)
+
+    class AsyncLLM:
+        vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(
+            hf_config=types.SimpleNamespace(tie_word_embeddings=True)))
+
+        def __init__(self):
+            async def call_all(name, method, timeout, args, kwargs):
+                return [[4096]]
+            self.engine_core = types.SimpleNamespace(call_utility_all_async=call_all)
+
+        @classmethod
+        def from_engine_args(cls, args, stat_loggers=None):
+            return cls()
+
+        def get_num_unfinished_requests(self):
+            return 0
+
+        async def sleep(self, level):
+            calls.append(("sleep", level))
+
+        async def wake_up(self, tags):
+            calls.append(("wake_up", tags))
+
+    mods = {"vllm": types.ModuleType("vllm"), "vllm.v1": types.ModuleType("vllm.v1"),
+            "vllm.v1.engine": types.ModuleType("vllm.v1.engine"),
+            "vllm.v1.engine.async_llm": types.ModuleType("vllm.v1.engine.async_llm")}
+    mods["vllm"].AsyncEngineArgs = AsyncEngineArgs
+    mods["vllm.v1.engine.async_llm"].AsyncLLM = AsyncLLM
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def test_launch_starts_vllm_with_the_plans_sequence_and_token_caps(monkeypatch, tiny_model_dir):
+    """The paper preset's plan on 8 x 80 GB: vLLM's engines start with max_num_seqs = engine_batch (256, vLLM's
+    engine-context default 128) and max_num_batched_tokens 8,192 (default 2,048), and with sleep mode on."""
+    import asyncio
+
+    import memory_plan as MP
+    import vllm_engine
+    from config import PRESETS, Config
+
+    calls, captured = [], []
+    fake_vllm(monkeypatch, calls, captured)
+    cfg = Config(**{**PRESETS["paper"], "preset": "paper", "stage": "all"})
+    plan = MP.plan_for(cfg, ROOT / "bench" / "model_configs" / "qwen3-14b", gpus=8, gpu_gb=79.2, ranks=8)
+    loop = asyncio.new_event_loop()
+    try:
+        engines = vllm_engine.VLLMEngine.launch(str(tiny_model_dir), loop, num_gpus=1, enable_sleep_mode=True,
+                                                **plan.engine_args)
+    finally:
+        loop.close()
+    (args,) = captured
+    assert args["max_num_seqs"] == cfg.engine_batch == 256 and args["max_num_batched_tokens"] == 8192
+    assert args["enable_sleep_mode"] is True
+    assert engines[0].capacity_tokens == 4096
+
+
+def test_a_step_sleeps_the_engines_before_the_trainer_returns_and_wakes_their_kv_after_it_left(monkeypatch,
+                                                                                                tiny_model_dir):
+    """The order phases.py promises (vLLM 0.32 sleep mode, as verl runs it): sleep(level=2) before the trainer's
+    state comes back to the GPU; wake_up(["weights"]) before the weights are loaded; the trainer's state to host
+    memory before wake_up(["kv_cache"]). A sync into sleeping weights is refused (trl#5142)."""
+    import asyncio
+
+    import model as models
+    import phases
+    import pytest
+    import rstar2_mini as R
+    import vllm_engine
+
+    calls, captured = [], []
+    fake_vllm(monkeypatch, calls, captured)
+    loop = asyncio.new_event_loop()
+    engines = vllm_engine.VLLMEngine.launch(str(tiny_model_dir), loop, num_gpus=1, enable_sleep_mode=True)
+    real_move, real_load = phases.move_trainer, vllm_engine.VLLMEngine.load_weights
+    monkeypatch.setattr(phases, "move_trainer", lambda m, o, to: calls.append(("trainer", to)) or real_move(m, o, to))
+
+    def load_weights(self, weights):
+        if "weights" in self.backend.get("asleep", ()):
+            raise RuntimeError("asleep")
+        calls.append(("load",))
+    monkeypatch.setattr(vllm_engine.VLLMEngine, "load_weights", load_weights)
+
+    policy = models.load_model(tiny_model_dir)
+    optimizer, _ = R.make_optimizer(policy, R.Config())
+    turns = phases.Turns(on=True)
+    phases.trainer_to_host(turns, policy, optimizer)
+    phases.for_update(turns, engines, policy, optimizer)
+    phases.sync_for_rollouts(turns, engines, policy, optimizer, policy)
+    loop.close()
+    assert calls == [("trainer", "host"), ("sleep", 2), ("trainer", "device"), ("wake_up", ["weights"]), ("load",),
+                     ("trainer", "host"), ("wake_up", ["kv_cache"])]
+    assert {"engine_sleep_s", "trainer_to_device_s", "engine_wake_weights_s", "sync_s", "trainer_to_host_s",
+            "engine_wake_kv_s"} <= set(turns.timings)
+    engines[0].backend["asleep"] = {"weights"}
+    with pytest.raises(RuntimeError, match="weights sleep"):
+        real_load(engines[0], {})
