@@ -845,6 +845,9 @@ def run_sft_stage(cfg: Config, base_model: Path) -> Path:
         metrics = sft.run_sft(policy, tokenizer, scfg, ckpt, log=log, run_dir=d)
     except sft.ResumeMismatch as e:
         raise UsageError(str(e)) from None
+    finally:  # the SFT's model goes now: an FSDP2 module holds reference cycles, so only a collection frees it
+        del policy
+        models.free_between_phases()
     if DIST.rank == 0:
         write_json_atomic(d / "metrics.json", metrics)
     return ckpt

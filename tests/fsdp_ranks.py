@@ -11,14 +11,19 @@
         the policy read by rank 0 alone and broadcast (sharded_policy_from_rank0); one update; its optimizer state
         saved by rank 0 and loaded back by rank 0 alone (load_trainer_state, load_optimizer_state); each rank
         saves what it holds to OUT.rank{r}
+    python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py sft_free MODEL_DIR CHATS_JSONL OUT_DIR
+        rstar2_mini.run_sft_stage on the chat file; each rank saves how many of the SFT policy's parameters are
+        still reachable after it returned (OUT_DIR/free.rank{r})
     python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py offload MODEL_DIR OUT
         two policy updates, with and without the trainer's state sent to host memory and back between them
         (distributed.move_trainer); rank 0 saves both runs' full weights, optimizer states and where the state
         lived to OUT
 CPU ranks on purpose (gloo): the Configs here say device="cpu".
 """
+import gc
 import random
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -69,6 +74,31 @@ def sft_steps(model_dir: str, chats: str, out: str) -> None:
     # the recipe's path (rstar2_mini.run_sft_stage): rank 0 alone reads the weights, every rank gets its shards
     policy = D.sharded_policy_from_rank0(model_dir, "cpu", bf16=False)
     sft.run_sft(policy, models.load_tokenizer(model_dir), sft_config(chats), Path(out))
+
+
+def sft_stage_then_free(model_dir: str, chats: str, out: str) -> None:
+    """rstar2_mini.run_sft_stage on a fixed chat file, with the garbage collector off (only the run's own collects
+    count): how many of its policy's parameters are still reachable once it has returned."""
+    import gc
+    import weakref
+
+    import sft
+
+    refs, real = [], R.sharded_policy_from_rank0
+
+    def recording(*args, **kw):
+        policy = real(*args, **kw)
+        refs.extend(weakref.ref(p) for p in policy.parameters())
+        return policy
+
+    R.sharded_policy_from_rank0 = recording
+    fixed = sft_config(chats)
+    sft.SFTConfig = lambda **kw: fixed
+    gc.disable()
+    R.run_sft_stage(R.Config(out=out, device="cpu", precision="fp32", model=model_dir), Path(model_dir))
+    alive = sum(r() is not None for r in refs)
+    gc.enable()
+    torch.save({"parameters": len(refs), "alive": alive}, f"{out}/free.rank{D.DIST.rank}")
 
 
 def one_update(model_dir: str, out: str) -> None:
@@ -169,11 +199,16 @@ def stage(model_dir: str, run_dir: str, steps: int, offload: bool = False) -> No
     start = torch.load(ckpt / "trainer_state.pt", weights_only=False) if ckpt else None
     rt = R.build_runtime(cfg, ckpt or Path(model_dir))
     rt.reward_fn = coin
+    refs = [weakref.ref(p) for p in rt.model.parameters()]
     try:
         problems = [Toy(f"p{i}", "What is 6*7?", "42") for i in range(50)]
         R.train_stage(rt, cfg, "1", d, lambda i: problems[i % len(problems)], start=start)
     finally:
+        gc.disable()   # only close_runtime's own collection counts
         R.close_runtime(rt)
+        alive = sum(r() is not None for r in refs)
+        gc.enable()
+    (d / f"alive.rank{D.DIST.rank}").write_text(str(alive))  # the stage's parameters still reachable
 
 
 if __name__ == "__main__":
@@ -182,6 +217,8 @@ if __name__ == "__main__":
         one_update(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "load":
         load_from_rank0(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "sft_free":
+        sft_stage_then_free(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "offload":
         offload_round_trip(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "sft":
