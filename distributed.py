@@ -342,7 +342,8 @@ def move_trainer(model, optimizer, to: str) -> dict:
     caching allocator's free blocks handed back, so that vLLM's KV cache can use the GPU; to="device": back to
     DIST.device before the update. FSDP2 takes module.to()/._apply() (torch 2.13, _fully_shard.FSDPModule._apply:
     reshard, move, re-pad each shard); the parameters keep their identity (DTensors are swapped in place), so the
-    optimizer's references stay valid. Both ways copy into new storage even on CPU ranks, where the test checks
+    optimizer's references stay valid (torch refuses to swap a parameter that has weak references: nothing may
+    hold one while the state moves). Both ways copy into new storage even on CPU ranks, where the test checks
     that training goes on exactly as without the round trip. Returns {"bytes": moved, "s": seconds}."""
     import gc
     import time

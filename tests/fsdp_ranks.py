@@ -199,11 +199,13 @@ def stage(model_dir: str, run_dir: str, steps: int, offload: bool = False) -> No
     start = torch.load(ckpt / "trainer_state.pt", weights_only=False) if ckpt else None
     rt = R.build_runtime(cfg, ckpt or Path(model_dir))
     rt.reward_fn = coin
-    refs = [weakref.ref(p) for p in rt.model.parameters()]
     try:
         problems = [Toy(f"p{i}", "What is 6*7?", "42") for i in range(50)]
         R.train_stage(rt, cfg, "1", d, lambda i: problems[i % len(problems)], start=start)
     finally:
+        # (weak references only now: move_trainer swaps the parameters, and torch refuses to swap a tensor that has
+        # weak references)
+        refs = [weakref.ref(p) for p in rt.model.parameters()]
         gc.disable()   # only close_runtime's own collection counts
         R.close_runtime(rt)
         alive = sum(r() is not None for r in refs)
