@@ -63,10 +63,12 @@ def init_distributed(device: str = "cpu") -> None:
 
 
 def close_distributed() -> None:
+    """All ranks leave together. Rank 0 may still be writing the final checkpoint (177 GB at 14B): the others wait
+    for it on the store first (wait_for_rank0), then meet in a barrier (on GPUs over the gloo group)."""
     if DIST.world > 1:
         import torch.distributed as dist
 
-        dist.barrier()   # all ranks leave together
+        barrier()
         dist.destroy_process_group()
 
 

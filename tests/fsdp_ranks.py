@@ -14,6 +14,8 @@
     python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py sft_free MODEL_DIR CHATS_JSONL OUT_DIR
         rstar2_mini.run_sft_stage on the chat file; each rank saves how many of the SFT policy's parameters are
         still reachable after it returned (OUT_DIR/free.rank{r})
+    python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py last_barrier SECONDS
+        rank 0 busy for SECONDS before close_distributed, with a 3-second collective timeout
     python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py offload MODEL_DIR OUT
         two policy updates, with and without the trainer's state sent to host memory and back between them
         (distributed.move_trainer); rank 0 saves both runs' full weights, optimizer states and where the state
@@ -213,8 +215,25 @@ def stage(model_dir: str, run_dir: str, steps: int, offload: bool = False) -> No
     (d / f"alive.rank{D.DIST.rank}").write_text(str(alive))  # the stage's parameters still reachable
 
 
+def last_barrier(seconds: float) -> None:
+    """Rank 0 works `seconds` (as when it writes the final checkpoint: 177 GB at 14B) while rank 1 goes straight to
+    close_distributed; the process group's timeout is 3 s here."""
+    import time
+
+    if D.DIST.rank == 0:
+        time.sleep(seconds)
+    D.close_distributed()
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "last_barrier":
+        import datetime
+
+        D.COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=3)
     D.init_distributed()
+    if sys.argv[1] == "last_barrier":
+        last_barrier(float(sys.argv[2]))
+        D.exit_rank(0)
     if sys.argv[1] == "update":
         one_update(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "load":

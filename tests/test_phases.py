@@ -191,3 +191,10 @@ def test_nothing_of_a_finished_sft_stays_allocated(tmp_path, tiny_model_dir):
     for rank in (0, 1):
         got = torch.load(out / f"free.rank{rank}")
         assert got["parameters"] > 0 and got["alive"] == 0, (rank, got)
+
+
+def test_the_last_barrier_waits_for_rank0_on_the_store(tmp_path):
+    """close_distributed while rank 0 is still busy (writing the final checkpoint) for longer than the collective
+    timeout (3 s here, 30 min in a run): the other ranks wait on torchrun's store first, as for the other long
+    rank-0 phases (distributed.wait_for_rank0), so no collective times out and both ranks exit 0."""
+    torchrun("last_barrier", 8)
