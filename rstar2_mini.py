@@ -839,8 +839,12 @@ def run_sft_stage(cfg: Config, base_model: Path) -> Path:
         policy = sharded_policy_from_rank0(base_model, device, bf16=device == "cuda")
     else:
         policy = models.load_model(base_model, dtype=torch.float32, device=device)
+    # micro-batches, checkpointing and log-prob chunks as the RL update's (memory_plan's SFT phase; the CPU
+    # preset's are SFTConfig's defaults)
     scfg = sft.SFTConfig(n_examples=cfg.sft_examples, epochs=cfg.sft_epochs, lr=cfg.sft_lr,
-                         batch_size=cfg.sft_batch, extra_chores=cfg.sft_extra_chores, seed=cfg.seed)
+                         batch_size=cfg.sft_batch, extra_chores=cfg.sft_extra_chores, seed=cfg.seed,
+                         micro_batch_tokens=cfg.micro_batch_tokens, logprob_chunk_tokens=cfg.logprob_chunk_tokens,
+                         activation_checkpointing=cfg.activation_checkpointing)
     try:  # starts its own sandbox pool (rank 0); an interrupted SFT's weights replace the base model's
         metrics = sft.run_sft(policy, tokenizer, scfg, ckpt, log=log, run_dir=d)
     except sft.ResumeMismatch as e:

@@ -11,6 +11,8 @@
         the policy read by rank 0 alone and broadcast (sharded_policy_from_rank0); one update; its optimizer state
         saved by rank 0 and loaded back by rank 0 alone (load_trainer_state, load_optimizer_state); each rank
         saves what it holds to OUT.rank{r}
+    python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py sft_grad MODEL_DIR CHATS_JSONL OUT
+        one SFT batch packed by forwarded tokens, checkpointed and chunked: rank 0 saves its loss and gradients
     python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py sft_free MODEL_DIR CHATS_JSONL OUT_DIR
         rstar2_mini.run_sft_stage on the chat file; each rank saves how many of the SFT policy's parameters are
         still reachable after it returned (OUT_DIR/free.rank{r})
@@ -101,6 +103,41 @@ def sft_stage_then_free(model_dir: str, chats: str, out: str) -> None:
     alive = sum(r() is not None for r in refs)
     gc.enable()
     torch.save({"parameters": len(refs), "alive": alive}, f"{out}/free.rank{D.DIST.rank}")
+
+
+def packed_sft_config(chats: str):
+    """The paper preset's SFT on a small scale: micro-batches of at most 1000 forwarded tokens (rows x the longest
+    row), checkpointed layers, log-probs 5 tokens at a time; fp32 (exact)."""
+    import dataclasses
+
+    return dataclasses.replace(sft_config(chats), micro_batch_tokens=1000, activation_checkpointing=True,
+                               logprob_chunk_tokens=5)
+
+
+def sft_gradients(model_dir: str, chats: str, out: str) -> None:
+    """One SFT batch's loss and full gradients (sft.accumulate_gradients) on the sharded policy; rank 0 saves them
+    with the forwarded tokens of every micro-batch of each rank and how many layer forwards ran checkpointed."""
+    import sft
+
+    tokenizer = models.load_tokenizer(model_dir)
+    cfg = packed_sft_config(chats)
+    examples = sft.load_chat_jsonl(chats, tokenizer)[:5]
+    policy = D.sharded_policy_from_rank0(model_dir, "cpu", bf16=False)
+    runs, real = [0], models.checkpointed_layer_forward
+
+    def counting(*args, **kw):
+        runs[0] += 1
+        return real(*args, **kw)
+
+    models.checkpointed_layer_forward = counting
+    forwarded = [len(mb) * max(len(t.input_ids) for t in mb)
+                 for mb in sft.my_micro_batches_of(examples, cfg.micro_batch_tokens, shared=False) if mb]
+    loss = sft.accumulate_gradients(policy, examples, cfg, tokenizer.pad_token_id or 0)
+    grads = {n: p.grad.full_tensor() for n, p in policy.named_parameters()}
+    box = [None] * D.DIST.world
+    torch.distributed.all_gather_object(box, {"forwarded": forwarded, "checkpointed_runs": runs[0]})
+    if D.DIST.rank == 0:
+        torch.save({"loss": loss, "grads": grads, "ranks": box}, out)
 
 
 def one_update(model_dir: str, out: str) -> None:
@@ -238,6 +275,8 @@ if __name__ == "__main__":
         one_update(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "load":
         load_from_rank0(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "sft_grad":
+        sft_gradients(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "sft_free":
         sft_stage_then_free(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "offload":

@@ -5,6 +5,7 @@ tests."""
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,3 +199,44 @@ def test_the_last_barrier_waits_for_rank0_on_the_store(tmp_path):
     timeout (3 s here, 30 min in a run): the other ranks wait on torchrun's store first, as for the other long
     rank-0 phases (distributed.wait_for_rank0), so no collective times out and both ranks exit 0."""
     torchrun("last_barrier", 8)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The SFT at paper scale: packed by forwarded tokens, checkpointed, chunked
+
+
+def test_the_packed_sft_on_two_ranks_gives_the_oracles_loss_and_gradients(tmp_path, tiny_model_dir, tokenizer):
+    """Under torchrun every rank forwards whole rows (prompt + response: no shared prefix), so micro-batches are
+    packed by forwarded tokens, rows x the longest row <= micro_batch_tokens (1000 here: two of these ~420-token
+    rows), the layers run checkpointed and the log-probs 5 tokens at a time (packed_sft_config). One batch of 5 chats on two gloo ranks:
+    the loss and every parameter's gradient are the oracle's, each example's own plain fp32 forward:
+        L = sum over examples, labeled t of -log softmax(logits_{t-1})[x_t] / N."""
+    import json
+
+    import fsdp_ranks
+    import model as models
+    import sft
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in fsdp_ranks.chat_rows()))
+    torchrun("sft_grad", tiny_model_dir, chats, tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt", weights_only=False)
+
+    m = models.load_model(tiny_model_dir)
+    examples = sft.load_chat_jsonl(str(chats), tokenizer)[:5]
+    n = sum(sum(t.loss_mask) for t in examples)
+    total = 0.0
+    for t in examples:
+        ids = torch.tensor([t.input_ids])
+        logp = torch.log_softmax(m(input_ids=ids).logits[0, :-1].float(), -1)
+        target = ids[0, 1:]
+        mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
+        total = total - logp[torch.arange(len(target)), target][mask].sum() / n
+    total.backward()
+    assert got["loss"] == pytest.approx(float(total), rel=1e-5)
+    for name, p in m.named_parameters():
+        g = got["grads"][name]
+        assert torch.allclose(g, p.grad, atol=1e-6 * max(1.0, float(p.grad.abs().max())), rtol=1e-4), name
+    for rank in got["ranks"]:
+        assert rank["forwarded"] and max(rank["forwarded"]) <= 1000, rank    # packed by forwarded tokens
+        assert rank["checkpointed_runs"] > 0                                # the layers ran checkpointed
