@@ -239,9 +239,11 @@ def trainer_bytes(d: ModelDims, cfg: Config, ranks: int, tokens: int, kv_repeate
         # (comm_ctx.reduce_scatter_states, reduce_scatter_max_input_buffers = 1: the oldest is dropped only once the
         # next unit's gradients exist). Backward runs head, last layer, ..., embeddings: the head's 4 Pv lives
         # through the last layer's recompute and backward, and each layer carries the one before's 4 Pl.
-        #   head phase:  the log-prob chunks beside the head's weights and gradient, then its reduce-scatter (6 Pv)
+        #   head phase:  the log-prob chunks beside the head's bf16 weights, its fp32 gradient buffer and a chunk's
+        #                bf16 product (2 + 4 + 2 Pv: models.chunked_logprobs sums the chunks in fp32), then its
+        #                reduce-scatter (bf16 gradient + fp32 input: 6 Pv)
         #   layer phase: act x T + 6 Pl + 4 max(Pv, Pl)
-        head = max(logits + 4 * Pv, dh + 6 * Pv) + 2 * Pl
+        head = max(logits + 8 * Pv, dh + 6 * Pv) + 2 * Pl
         layer = act["backward"] * tokens + 6 * Pl + 4 * max(Pv, Pl)
     else:
         # one process: autocast's bf16 copies of the weights (all kept for backward without checkpointing; with it,

@@ -517,8 +517,8 @@ def chunked_logprobs_function():
             d log p_y / d z = (onehot(y) - p) / T
             dh = g W,  dW += g^T h,  db += sum g,    g = grad_out[:, None] * (onehot(y) - p) / T   [C, V]
 
-        dW is one buffer of W's shape, added to in place chunk after chunk (as Liger-Kernel's fused linear
-        cross-entropy does). The matmuls run in the dtype the forward's projection ran in (bf16 under autocast or
+        dW is one fp32 buffer of W's shape, added to in place chunk after chunk (as Liger-Kernel's fused linear
+        cross-entropy does) and cast to W's dtype once at the end. The matmuls run in the dtype the forward's projection ran in (bf16 under autocast or
         with FSDP's bf16 weights): values and gradients are the unchunked computation's (tests/test_memory_plan.py).
         """
 
@@ -539,7 +539,9 @@ def chunked_logprobs_function():
             w = weight.to(cd)   # (a copy only under autocast over fp32 weights)
             b = bias.to(cd) if bias is not None else None
             dh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-            dw = torch.zeros_like(weight) if ctx.needs_input_grad[2] else None
+            # dW sums every chunk's g^T h: in fp32 even for bf16 weights (FSDP2's bf16 policy), rounded once at the
+            # end, not once per chunk (memory_plan counts the fp32 buffer and a chunk's product: 6 V H)
+            dw = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[2] else None
             db = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[3] else None
             for s in range(0, hidden.shape[0], C):
                 h, y, go = hidden[s:s + C].to(cd), targets[s:s + C], grad_out[s:s + C]
@@ -553,11 +555,11 @@ def chunked_logprobs_function():
                 if dw is not None:
                     if dw.dtype == cd:
                         dw.addmm_(g.t(), h)
-                    else:
-                        dw += (g.t() @ h).to(dw.dtype)
+                    else:   # the chunk's product in the compute dtype (2 V H), added into fp32 in place
+                        dw.add_(g.t() @ h)
                 if db is not None:
                     db += g.sum(0).to(db.dtype)
-            return dh, None, dw, db, None, None
+            return dh, None, dw.to(weight.dtype) if dw is not None else None, db, None, None
 
     return ChunkedLogprobs
 
