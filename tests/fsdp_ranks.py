@@ -11,6 +11,8 @@
         the policy read by rank 0 alone and broadcast (sharded_policy_from_rank0); one update; its optimizer state
         saved by rank 0 and loaded back by rank 0 alone (load_trainer_state, load_optimizer_state); each rank
         saves what it holds to OUT.rank{r}
+    python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py bf16_update MODEL_DIR OUT
+        one policy update under FSDP2's bf16 mixed-precision policy (lr 0); rank 0 saves its full gradients
     python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py sft_grad MODEL_DIR CHATS_JSONL OUT
         one SFT batch packed by forwarded tokens, checkpointed and chunked: rank 0 saves its loss and gradients
     python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py sft_free MODEL_DIR CHATS_JSONL OUT_DIR
@@ -138,6 +140,29 @@ def sft_gradients(model_dir: str, chats: str, out: str) -> None:
     torch.distributed.all_gather_object(box, {"forwarded": forwarded, "checkpointed_runs": runs[0]})
     if D.DIST.rank == 0:
         torch.save({"loss": loss, "grads": grads, "ranks": box}, out)
+
+
+def bf16_update_config() -> R.Config:
+    """One mini-batch, lr 0: the update's gradient stays in p.grad and the weights stay the oracle's."""
+    import dataclasses
+
+    return dataclasses.replace(update_config(), lr=0.0, minibatches=1, activation_checkpointing=True,
+                               logprob_chunk_tokens=7)
+
+
+def bf16_update(model_dir: str, out: str) -> None:
+    """policy_update with FSDP2's bf16 mixed-precision policy (bf16 weights and compute, fp32 reduce-scatter,
+    fp32 master weights), checkpointed layers and log-prob chunks, as on the GPUs; rank 0 saves the numbers and
+    every parameter's full (clipped) gradient."""
+    tokenizer = models.load_tokenizer(model_dir)
+    policy = D.shard_policy(models.load_model(model_dir), bf16=True)
+    cfg = bf16_update_config()
+    optimizer, schedule = R.make_optimizer(policy, cfg)
+    numbers = R.policy_update(R.Runtime(policy, tokenizer, engines=[], pool=None, loop=None), cfg, optimizer,
+                              schedule, fixed_batch(tokenizer), random.Random(0))
+    grads = {n: p.grad.full_tensor() for n, p in policy.named_parameters()}
+    if D.DIST.rank == 0:
+        torch.save({"numbers": numbers, "grads": grads}, out)
 
 
 def one_update(model_dir: str, out: str) -> None:
@@ -275,6 +300,8 @@ if __name__ == "__main__":
         one_update(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "load":
         load_from_rank0(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "bf16_update":
+        bf16_update(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "sft_grad":
         sft_gradients(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "sft_free":
