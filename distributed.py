@@ -244,6 +244,24 @@ def full_state(model, optimizer=None) -> tuple[dict | None, dict | None]:
     return (weights, opt) if DIST.rank == 0 else (None, None)
 
 
+def gathered_weights(model, dtype):
+    """The full weights for a weight sync, one tensor at a time: a generator of (name, tensor on the CPU) on rank 0,
+    of nothing elsewhere, that every rank must run through (each tensor is a collective). Each rank casts its shard
+    to `dtype` (the engines' bf16) before the all-gather, so the gather moves half the bytes of fp32 and rank 0
+    holds one tensor, not the whole fp32 model: full_state's 59 GB of host memory at 14B (rank 0's peak is then
+    one of vllm_engine's buckets, ~1 GiB). In a single process: the model's own tensors, cast."""
+    import torch
+
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            t = t.detach().to(dtype) if dtype is not None else t.detach()
+            if hasattr(t, "full_tensor"):   # an FSDP2 shard: the all-gather every rank joins
+                t = t.full_tensor()
+            if DIST.rank == 0:
+                yield name, t.cpu()
+            del t
+
+
 def load_optimizer_state(model, optimizer, state: dict | None) -> None:
     """The inverse of full_state's optimizer part. Under torchrun only rank 0 holds the full state (the fp32
     AdamW moments are 8 bytes x P: 118 GB at 14B; load_trainer_state reads it there alone, memory-mapped); the

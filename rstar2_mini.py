@@ -360,7 +360,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
             load_optimizer_state(rt.model, optimizer, start["optimizer"])
             schedule.load_state_dict(start["schedule"])
             if turns.on:
-                phases.sync_for_rollouts(turns, rt.engines, rt.model, optimizer, full_state(rt.model)[0])
+                phases.sync_for_rollouts(turns, rt.engines, rt.model, optimizer)
         if start.get("stage") == stage:  # resuming this very stage: continue its counters and randomness
             step, cursor = start["step"], start["cursor"]
             rng.setstate(start["roc_rng"])
@@ -422,15 +422,12 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
             models.free_between_phases()  # the update's activations and graphs, before the engines reload
         if train_now or save_now:
             # offload: a checkpoint's state is gathered now, while it is on the GPUs (written below)
-            weights, opt_state = full_state(rt.model, optimizer if save_now else None)
-            saved = (weights, opt_state) if save_now else None
+            saved = full_state(rt.model, optimizer) if save_now else None
             # weight sync: the next rollouts sample the new policy (offload: then the state to host memory)
-            phases.sync_for_rollouts(turns, rt.engines, rt.model, optimizer,
-                                     weights if weights is not None else unwrapped(rt))
+            phases.sync_for_rollouts(turns, rt.engines, rt.model, optimizer, unwrapped(rt))
             if lead:
                 update |= vllm_engine.sync_report(rt.engines)  # vLLM: time, tensors per engine, checksums
-                update |= dict(turns.timings) if turns.on else {}
-            del weights, opt_state
+                update |= dict(turns.timings) if DIST.world > 1 else {}
             models.release_freed_memory()
         update |= gpu_memory_by_rank()  # a collective: every rank's peaks reach rank 0's metrics line
         step += 1
@@ -737,7 +734,8 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
     else:               # fp32 master weights
         policy = models.load_model(model_path, dtype=torch.float32, device=device)
     n_params = sum(p.numel() for p in policy.parameters())  # (under FSDP: DTensors count their full size)
-    turns = phases.turns_for(cfg)   # paper scale: the trainer's state waits in host memory while engines generate
+    # paper scale: the trainer's state waits in host memory while engines generate; weights sync in the engine's dtype
+    turns = phases.turns_for(cfg, sync_dtype=models.engine_dtype(bf16_option(cfg), device))
     phases.trainer_to_host(turns, policy)
     if DIST.world > 1:
         if use_vllm:  # every rank's full copy must be gone before vLLM measures the free memory

@@ -332,49 +332,58 @@ class VLLMEngine:
         if "weights" in backend.get("asleep", ()):   # (trl#5142: loading before wake_up writes to unmapped memory)
             raise RuntimeError("a vLLM weight sync while the engines' weights sleep: wake_engines(..., ['weights'])")
         t0 = time.perf_counter()
+        # a model, a state dict, or (name, tensor) pairs streamed from the trainer's ranks (distributed.
+        # gathered_weights: one tensor at a time, already in the engine's dtype)
         state = weights.state_dict() if hasattr(weights, "state_dict") else weights
-        # DDP / accelerate wrappers add "module."; tied: vLLM's head is the embedding
-        names = [k for k in state if not (backend["tie"] and k.removeprefix("module.") == "lm_head.weight")]
+        pairs = state.items() if hasattr(state, "items") else state
         # torchrun sets OMP_NUM_THREADS=1, and the fp32 -> bf16 cast of a 14B state (59 GB) on one thread takes
         # a minute: every core of this process for the cast (the other ranks wait for rank 0 meanwhile)
         threads = torch.get_num_threads()
         torch.set_num_threads(max(threads, len(os.sched_getaffinity(0))))
-        sent, buckets, path, replies = {}, 0, None, []
+        sent, kept, buckets, path, replies, names = {}, {}, 0, None, [], 0
         try:
             call_each_engine(llm, loop, "rstar2_sync_begin")
             bucket, size = {}, 0
-            for i, key in enumerate(names):
-                t = state[key].detach().to(dtype).cpu().contiguous()
-                name = key.removeprefix("module.")
-                bucket[name], size = t, size + t.numel() * t.element_size()
+
+            def send(bucket, size):
+                nonlocal path, buckets
+                path = os.path.join(weight_file_dir(size), f"rstar2_weights_{os.getpid()}_{buckets}.safetensors")
+                save_file(bucket, path)
+                call_each_engine(llm, loop, "rstar2_sync_part", path, verify)
+                os.remove(path)
+                path, buckets = None, buckets + 1
+
+            for key, value in pairs:
+                name = key.removeprefix("module.")   # DDP / accelerate wrappers add "module."
+                if backend["tie"] and name == "lm_head.weight":   # tied: vLLM's head is the embedding
+                    continue
+                t = value.detach().to(dtype).cpu().contiguous()
+                bucket[name], size, names = t, size + t.numel() * t.element_size(), names + 1
                 if verify:
-                    sent[name] = tensor_sha256(t)
-                if size >= SYNC_BUCKET_BYTES or i == len(names) - 1:
-                    path = os.path.join(weight_file_dir(size), f"rstar2_weights_{os.getpid()}_{buckets}.safetensors")
-                    save_file(bucket, path)
+                    sent[name], kept[name] = tensor_sha256(t), t
+                if size >= SYNC_BUCKET_BYTES:
+                    send(bucket, size)
                     bucket, size = {}, 0
-                    call_each_engine(llm, loop, "rstar2_sync_part", path, verify)
-                    os.remove(path)
-                    path, buckets = None, buckets + 1
+            if bucket:
+                send(bucket, size)
             replies = call_each_engine(llm, loop, "rstar2_sync_end")
         finally:
             torch.set_num_threads(threads)
             if path is not None and os.path.exists(path):
                 os.remove(path)
         loaded = [[r["loaded"] for r in engine] for engine in replies]  # every worker of every engine
-        if not loaded or any(n != len(names) for engine in loaded for n in engine):
-            raise RuntimeError(f"a vLLM weight sync sent {len(names)} tensors; the workers of each engine loaded "
+        if not loaded or any(n != names for engine in loaded for n in engine):
+            raise RuntimeError(f"a vLLM weight sync sent {names} tensors; the workers of each engine loaded "
                                f"{loaded}")
         if loop.run_until_complete(llm.reset_prefix_cache()) is not True:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight sync (a request held KV "
                                "blocks): its cached prefixes would still hold the old weights' KV")
-        report = {"s": round(time.perf_counter() - t0, 3), "tensors": len(names), "buckets": buckets,
+        report = {"s": round(time.perf_counter() - t0, 3), "tensors": names, "buckets": buckets,
                   "loaded_per_engine": [min(engine) for engine in loaded]}
         if verify:
             report["received_equals_sent"] = all(r["sha256"] == combined_sha256(sent) for engine in replies
                                                  for r in engine)
-            report |= compare_checksums(loop.run_until_complete(llm.compute_weight_checksums()),
-                                        {k.removeprefix("module."): state[k] for k in names}, dtype,
+            report |= compare_checksums(loop.run_until_complete(llm.compute_weight_checksums()), kept, dtype,
                                         backend.get("packed", {}), backend["tie"])
         backend["last_sync"] = report
 

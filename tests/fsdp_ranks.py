@@ -11,6 +11,8 @@
         the policy read by rank 0 alone and broadcast (sharded_policy_from_rank0); one update; its optimizer state
         saved by rank 0 and loaded back by rank 0 alone (load_trainer_state, load_optimizer_state); each rank
         saves what it holds to OUT.rank{r}
+    python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py gather MODEL_DIR OUT
+        the weight sync's gather, one tensor at a time in bf16; rank 0 saves the (name, tensor) pairs
     python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py bf16_update MODEL_DIR OUT
         one policy update under FSDP2's bf16 mixed-precision policy (lr 0); rank 0 saves its full gradients
     python -m torch.distributed.run --nproc-per-node 2 tests/fsdp_ranks.py sft_grad MODEL_DIR CHATS_JSONL OUT
@@ -165,6 +167,16 @@ def bf16_update(model_dir: str, out: str) -> None:
         torch.save({"numbers": numbers, "grads": grads}, out)
 
 
+def gather_bf16(model_dir: str, out: str) -> None:
+    """distributed.gathered_weights of the sharded policy in bf16: rank 0 saves what it received, in order."""
+    policy = D.shard_policy(models.load_model(model_dir), bf16=False)
+    got = list(D.gathered_weights(policy, torch.bfloat16))
+    if D.DIST.rank == 0:
+        torch.save(got, out)
+    elif got:
+        raise AssertionError("only rank 0 receives the gathered weights")
+
+
 def one_update(model_dir: str, out: str) -> None:
     tokenizer = models.load_tokenizer(model_dir)
     policy = D.shard_policy(models.load_model(model_dir), bf16=False)
@@ -300,6 +312,8 @@ if __name__ == "__main__":
         one_update(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "load":
         load_from_rank0(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "gather":
+        gather_bf16(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "bf16_update":
         bf16_update(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "sft_grad":

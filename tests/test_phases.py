@@ -305,3 +305,19 @@ def test_the_bf16_fsdp2_update_on_two_ranks_agrees_with_the_fp32_oracle(tmp_path
     flat_g = torch.cat([got["grads"][n].double().flatten() for n, _ in m.named_parameters()])
     flat_r = torch.cat([p.grad.double().flatten() for _, p in m.named_parameters()])
     assert float(torch.nn.functional.cosine_similarity(flat_g, flat_r, dim=0)) > 0.998
+
+
+def test_the_weight_sync_gathers_one_tensor_at_a_time_in_bf16(tmp_path, tiny_model_dir):
+    """distributed.gathered_weights on two gloo ranks: rank 0 receives every tensor of the model's state dict, in
+    its order, cast to bf16 on each rank before the all-gather: bitwise the full model's tensors cast to bf16
+    (oracle: the model loaded whole in one process). The other rank receives nothing (its process checks).
+    bench/bench_weight_sync.py measures rank 0's host peak and the time against the fp32 full state."""
+    import model as models
+
+    torchrun("gather", tiny_model_dir, tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt", weights_only=False)
+    want = models.load_model(tiny_model_dir).state_dict()
+    assert [k for k, _ in got] == list(want)
+    for k, t in got:
+        assert t.dtype == torch.bfloat16 and t.device.type == "cpu"
+        assert torch.equal(t, want[k].to(torch.bfloat16)), k
