@@ -220,12 +220,14 @@ class Plan:
         return max(self.host.values(), default=0)
 
 
-def trainer_bytes(d: ModelDims, cfg: Config, ranks: int, tokens: int, kv_repeated: bool = True) -> dict:
+def trainer_bytes(d: ModelDims, cfg: Config, ranks: int, tokens: int, kv_repeated: bool = True,
+                  fsdp: bool | None = None) -> dict:
     """The trainer's peak on its busiest GPU, by item. ranks > 1: FSDP2, with the embeddings, the head and each layer
     their own units (distributed.shard_policy), bf16 compute; ranks == 1: the whole fp32 model on one GPU under bf16
-    autocast (accelerate), the system prompt's KV shared through the cache (rl_update.shared_prompt_kv)."""
+    autocast (accelerate), the system prompt's KV shared through the cache (rl_update.shared_prompt_kv).
+    fsdp=True with ranks == 1: FSDP2 on one GPU (tests/gpu_check_paper_scale.py measures it)."""
     P, Pl, Pv = total_params(d), layer_params(d), d.vocab * d.hidden
-    fsdp = ranks > 1
+    fsdp = ranks > 1 if fsdp is None else fsdp
     act = activation_bytes_per_token(d, cfg.activation_checkpointing, "bf16" if fsdp else "autocast",
                                      kv_repeated=kv_repeated, kv_cache=not fsdp)
     kept = act["kept"] * tokens
