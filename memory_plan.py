@@ -164,8 +164,9 @@ def kv_bytes_per_token(d: ModelDims) -> int:
 #                stay); the trainer's state is back on the GPU: 16 P / ranks, activations, the backward's peak
 #   weight sync  the engines' weights wake (wake_up(tags=["weights"])) beside the trainer's state; vLLM's in-place
 #                reload materialises each layer on the GPU before copying it in (the largest: the head, 2 V H),
-#                and the trainer gathers one tensor at a time in fp32 (full_state); then the engines empty their
-#                cache (vllm_engine: rstar2_sync_end), the trainer goes to host memory and the KV cache wakes
+#                and the trainer gathers one tensor at a time in bf16 (distributed.gathered_weights); then the
+#                engines empty their cache (vllm_engine: rstar2_sync_end), the trainer goes to host memory and the
+#                KV cache wakes
 # Without the offload (one process, or offload_trainer=false) the trainer and the engines share every GPU at once:
 #   update       the trainer's peak beside the engine's whole budget; weight sync: the trainer's state, the
 #                engine's budget, the reload's largest layer and the gathered tensor
@@ -241,11 +242,11 @@ def trainer_bytes(d: ModelDims, cfg: Config, ranks: int, tokens: int, kv_repeate
         # (comm_ctx.reduce_scatter_states, reduce_scatter_max_input_buffers = 1: the oldest is dropped only once the
         # next unit's gradients exist). Backward runs head, last layer, ..., embeddings: the head's 4 Pv lives
         # through the last layer's recompute and backward, and each layer carries the one before's 4 Pl.
-        #   head phase:  the log-prob chunks beside the head's bf16 weights, its fp32 gradient buffer and a chunk's
-        #                bf16 product (2 + 4 + 2 Pv: models.chunked_logprobs sums the chunks in fp32), then its
-        #                reduce-scatter (bf16 gradient + fp32 input: 6 Pv)
+        #   head phase:  the log-prob chunks beside the head's bf16 weights and its fp32 gradient buffer (2 + 4 Pv:
+        #                models.chunked_logprobs sums the chunks in fp32), the buffer's cast to bf16 (8 Pv at
+        #                once), then its reduce-scatter (bf16 gradient + fp32 input: 6 Pv)
         #   layer phase: act x T + 6 Pl + 4 max(Pv, Pl)
-        head = max(logits + 8 * Pv, dh + 6 * Pv) + 2 * Pl
+        head = max(logits + 6 * Pv, 8 * Pv, dh + 6 * Pv) + 2 * Pl
         layer = act["backward"] * tokens + 6 * Pl + 4 * max(Pv, Pl)
     else:
         # one process: autocast's bf16 copies of the weights (all kept for backward without checkpointing; with it,
@@ -263,13 +264,13 @@ def trainer_bytes(d: ModelDims, cfg: Config, ranks: int, tokens: int, kv_repeate
 
 def sync_bytes(d: ModelDims, ranks: int) -> dict:
     """The weight sync's extra on a GPU: vLLM's in-place reload materialises each layer before copying it into place
-    (model_loader/reload/layerwise.py; the largest: the head or embeddings, 2 V H in bf16), and the trainer gathers
-    one tensor at a time in fp32 (distributed.full_state, cpu_offload: 4 V H at most). Without the offload the
-    engine's cache keeps the reloaded layer unless emptied: vllm_engine empties it at the end of every sync."""
+    (model_loader/reload/layerwise.py; the largest: the head or embeddings, 2 V H in bf16), and under torchrun the
+    trainer gathers one tensor at a time in bf16 (distributed.gathered_weights: 2 V H at most). The engine's cache
+    would keep the reloaded layer: vllm_engine empties it at the end of every sync."""
     largest = max(d.vocab * d.hidden, layer_params(d) // 3)
     items = {"vLLM reload: its largest layer materialised (2 V H)": 2 * largest}
     if ranks > 1:
-        items["trainer: one tensor gathered in fp32 for the sync (4 V H)"] = 4 * largest
+        items["trainer: one tensor gathered in bf16 for the sync (2 V H)"] = 2 * largest
     return items
 
 
@@ -347,7 +348,10 @@ def plan(d: ModelDims, cfg: Config, gpus: int, gpu_gb: float, ranks: int) -> Pla
     if offload:
         host["the trainer's state while the engines generate: weights, AdamW m and v, 12 P"] = 12 * P
     if ranks > 1:
-        host["weight sync: the full fp32 weights on rank 0, 4 P"] = 4 * P   # (the state is on the GPUs then)
+        from vllm_engine import SYNC_BUCKET_BYTES
+
+        largest = max(d.vocab * d.hidden, layer_params(d) // 3)
+        host["weight sync: a bucket and one bf16 tensor on rank 0"] = SYNC_BUCKET_BYTES + 2 * largest
         host["a checkpoint: full weights and AdamW state on rank 0, 16 P"] = 16 * P
     return Plan(d.name, P, gpus, ranks, gpu, row, tokens, offload, phases, margin, util, kv_tokens, engine_gpus,
                 best, host, engine_args)

@@ -505,6 +505,9 @@ def selected_logprobs(hidden, targets, weight, bias, temperature: float):
     return torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+HEAD_GRAD_ROWS = 16384   # vocabulary rows of the head's gradient computed at once into its fp32 buffer
+
+
 @functools.lru_cache(maxsize=None)
 def chunked_logprobs_function():
     """The autograd function ChunkedLogprobs, defined on first use (this module imports torch lazily)."""
@@ -540,7 +543,7 @@ def chunked_logprobs_function():
             b = bias.to(cd) if bias is not None else None
             dh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
             # dW sums every chunk's g^T h: in fp32 even for bf16 weights (FSDP2's bf16 policy), rounded once at the
-            # end, not once per chunk (memory_plan counts the fp32 buffer and a chunk's product: 6 V H)
+            # end, not once per chunk (memory_plan counts the fp32 buffer: 4 V H)
             dw = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[2] else None
             db = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[3] else None
             for s in range(0, hidden.shape[0], C):
@@ -555,8 +558,9 @@ def chunked_logprobs_function():
                 if dw is not None:
                     if dw.dtype == cd:
                         dw.addmm_(g.t(), h)
-                    else:   # the chunk's product in the compute dtype (2 V H), added into fp32 in place
-                        dw.add_(g.t() @ h)
+                    else:   # g^T h in blocks of vocabulary rows: no V x H product, and each block's (small)
+                        for r in range(0, g.shape[1], HEAD_GRAD_ROWS):   # cast into fp32 as it is added
+                            dw[r:r + HEAD_GRAD_ROWS].add_(g[:, r:r + HEAD_GRAD_ROWS].t() @ h)
                 if db is not None:
                     db += g.sum(0).to(db.dtype)
             return dh, None, dw.to(weight.dtype) if dw is not None else None, db, None, None
