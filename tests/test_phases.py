@@ -233,7 +233,7 @@ def test_the_packed_sft_on_two_ranks_gives_the_oracles_loss_and_gradients(tmp_pa
         mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
         total = total - logp[torch.arange(len(target)), target][mask].sum() / n
     total.backward()
-    assert got["loss"] == pytest.approx(float(total), rel=1e-5)
+    assert got["loss"] == pytest.approx(total.item(), rel=1e-5)
     for name, p in m.named_parameters():
         g = got["grads"][name]
         assert torch.allclose(g, p.grad, atol=1e-6 * max(1.0, float(p.grad.abs().max())), rtol=1e-4), name
