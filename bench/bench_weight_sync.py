@@ -8,7 +8,8 @@ distributed.gathered_weights casts each rank's shard to bf16 and all-gathers one
 buckets go out (vllm_engine.VLLMEngine.load_weights), so rank 0 holds a bucket and one tensor. Both are timed and
 rank 0's resident memory is sampled every 2 ms (above its level when the variant starts), interleaved
 `--repeats` times on two CPU ranks under torchrun; what an engine does with a bucket is left out (dropped here).
-The last line is JSON. The bucket is 16 MB by default: the 1 GiB of vllm_engine.SYNC_BUCKET_BYTES is to a 14B
+Also the offload's round trip (distributed.move_trainer: shards and AdamW moments to host memory and back; on
+CPU ranks a copy within host memory). The last line is JSON. The bucket is 16 MB by default: the 1 GiB of vllm_engine.SYNC_BUCKET_BYTES is to a 14B
 model's 29.5 GB what 16 MB is to SmolLM2-135M's 270 MB in bf16, roughly.
 """
 import argparse
@@ -83,8 +84,22 @@ def ranks(model_path: str, bucket_mb: int, repeats: int) -> None:
             D.barrier()
             s, peak = rss_peak(fn)
             rows.append({"variant": name, "s": round(s, 3), "rank0_host_peak_mb": round(peak / 2 ** 20, 1)})
+    # the offload's round trip (phases.py): the shards and AdamW moments to host memory and back. On CPU ranks both
+    # ends are host memory: a copy, which says nothing of a GPU's PCIe transfer
+    import rstar2_mini as R
+
+    optimizer, _ = R.make_optimizer(policy, R.Config())
+    for p in policy.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()   # AdamW's moments exist from here on
+    offload = []
+    for _ in range(repeats):
+        away, back = D.move_trainer(policy, optimizer, "host"), D.move_trainer(policy, optimizer, "device")
+        offload.append({"bytes_per_rank": away["bytes"], "to_host_s": away["s"], "to_device_s": back["s"]})
     if lead:
         params = sum(p.numel() for p in policy.parameters())
+        for r in offload:
+            print(json.dumps({"variant": "offload_round_trip", **r}))
         best = {v: {"s": min(r["s"] for r in rows if r["variant"] == v),
                     "rank0_host_peak_mb": min(r["rank0_host_peak_mb"] for r in rows if r["variant"] == v)}
                 for v in ("fp32_full_state", "bf16_stream")}
@@ -94,7 +109,10 @@ def ranks(model_path: str, bucket_mb: int, repeats: int) -> None:
                           "host": "2-core AMD EPYC (AVX512-BF16), shared", **best,
                           "peak_ratio": round(best["bf16_stream"]["rank0_host_peak_mb"] /
                                               max(best["fp32_full_state"]["rank0_host_peak_mb"], 0.1), 3),
-                          "time_ratio": round(best["bf16_stream"]["s"] / best["fp32_full_state"]["s"], 3)}))
+                          "time_ratio": round(best["bf16_stream"]["s"] / best["fp32_full_state"]["s"], 3),
+                          "offload_mb_per_rank": round(offload[-1]["bytes_per_rank"] / 2 ** 20, 1),
+                          "offload_to_host_s": min(r["to_host_s"] for r in offload),
+                          "offload_to_device_s": min(r["to_device_s"] for r in offload)}))
     sys.stdout.flush()
     D.exit_rank(0)
 
