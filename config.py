@@ -100,6 +100,8 @@ class Config:
                                       # <= 0: all of a micro-batch's at once, ~2 MB a token at V = 151,936)
     activation_checkpointing: bool = False  # keep one hidden state per decoder layer and token for backward, run
                                       # each layer again there (models.layers_checkpointed)
+    offload_trainer: bool = False     # torchrun + vLLM: the trainer's sharded state waits in host memory while the
+                                      # engines generate, and the engines sleep during the update (docs/memory.md)
     plan: bool = False                # --plan: print the memory plan and exit
     gpus: int = 0                     # the plan's GPUs (0: those torch sees)
     gpu_memory_gb: float = 0.0        # the plan's GiB per GPU as torch reports it (0: the GPU's own; H100 79.2)
@@ -164,7 +166,7 @@ PRESETS = {
     # (17.3K of 42K), leave ~3.4K hard problems for stage 3's 125 steps (docs/memory.md).
     "paper": dict(steps=300, groups_per_step=512, group_size=16, oversample=2, max_turns=10,
                   max_response_tokens=8192, lr=1e-6, warmup_steps=20, minibatches=1, micro_batch_tokens=8192,
-                  activation_checkpointing=True, logprob_chunk_tokens=1024,
+                  activation_checkpointing=True, logprob_chunk_tokens=1024, offload_trainer=True,
                   eval_problems=256, eval_samples=16, hard_scan=8192, engine_batch=256, chunk_tokens=512,
                   sft_examples=222000, sft_epochs=3, sft_lr=5e-6, sft_batch=64, levels=(1, 2, 3)),
 }
@@ -318,3 +320,4 @@ class Runtime:
     loop: asyncio.AbstractEventLoop
     accelerator: object = None
     reward_fn: object = None          # (response, gold) -> 0/1; default eval.reward (tests plug in toy tasks)
+    turns: object = None              # phases.Turns: the trainer's state in host memory during rollouts (paper scale)

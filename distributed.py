@@ -63,10 +63,12 @@ def init_distributed(device: str = "cpu") -> None:
 
 
 def close_distributed() -> None:
+    """All ranks leave together. Rank 0 may still be writing the final checkpoint (177 GB at 14B): the others wait
+    for it on the store first (wait_for_rank0), then meet in a barrier (on GPUs over the gloo group)."""
     if DIST.world > 1:
         import torch.distributed as dist
 
-        dist.barrier()   # all ranks leave together
+        barrier()
         dist.destroy_process_group()
 
 
@@ -242,6 +244,24 @@ def full_state(model, optimizer=None) -> tuple[dict | None, dict | None]:
     return (weights, opt) if DIST.rank == 0 else (None, None)
 
 
+def gathered_weights(model, dtype):
+    """The full weights for a weight sync, one tensor at a time: a generator of (name, tensor on the CPU) on rank 0,
+    of nothing elsewhere, that every rank must run through (each tensor is a collective). Each rank casts its shard
+    to `dtype` (the engines' bf16) before the all-gather, so the gather moves half the bytes of fp32 and rank 0
+    holds one tensor, not the whole fp32 model: full_state's 59 GB of host memory at 14B (rank 0's peak is then
+    one of vllm_engine's buckets, ~1 GiB). In a single process: the model's own tensors, cast."""
+    import torch
+
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            t = t.detach().to(dtype) if dtype is not None else t.detach()
+            if hasattr(t, "full_tensor"):   # an FSDP2 shard: the all-gather every rank joins
+                t = t.full_tensor()
+            if DIST.rank == 0:
+                yield name, t.cpu()
+            del t
+
+
 def load_optimizer_state(model, optimizer, state: dict | None) -> None:
     """The inverse of full_state's optimizer part. Under torchrun only rank 0 holds the full state (the fp32
     AdamW moments are 8 bytes x P: 118 GB at 14B; load_trainer_state reads it there alone, memory-mapped); the
@@ -313,6 +333,66 @@ def load_weights_from_rank0(policy, path) -> None:
                 buf.copy_(own[name])
             dist.broadcast(buf, src=0)
     del full, own
+
+
+def moved_tensor(t, device):
+    """A copy of `t` on `device` (a new storage, also when it is already there). To the host: pinned when `t` is on a
+    GPU, so that the way back is a DMA copy. A DTensor (an FSDP2 shard, an AdamW moment of one) keeps its mesh and
+    placements with its local tensor moved (DTensor.from_local would move it back to the mesh's device)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return DTensor(moved_tensor(t._local_tensor, device), t._spec, requires_grad=False)
+    if device.type == "cpu":
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t)
+    return t.to(device, copy=True)
+
+
+def local_bytes(t) -> int:
+    """Bytes this rank holds of `t` (a DTensor: its local shard)."""
+    local = getattr(t, "_local_tensor", t)
+    return local.numel() * local.element_size()
+
+
+def move_trainer(model, optimizer, to: str) -> dict:
+    """The trainer's sharded state between its GPU and host memory (paper scale: the rollouts and the update take
+    turns on the GPUs, docs/memory.md "Phases"). to="host": every rank's fp32 weight shards and AdamW moments are
+    copied to (pinned) host memory, the gradients dropped (set to None: the update has stepped) and the CUDA
+    caching allocator's free blocks handed back, so that vLLM's KV cache can use the GPU; to="device": back to
+    DIST.device before the update. FSDP2 takes module.to()/._apply() (torch 2.13, _fully_shard.FSDPModule._apply:
+    reshard, move, re-pad each shard); the parameters keep their identity (DTensors are swapped in place), so the
+    optimizer's references stay valid (torch refuses to swap a parameter that has weak references: nothing may
+    hold one while the state moves). Both ways copy into new storage even on CPU ranks, where the test checks
+    that training goes on exactly as without the round trip. Returns {"bytes": moved, "s": seconds}."""
+    import gc
+    import time
+
+    import torch
+
+    t0 = time.perf_counter()
+    if to not in ("host", "device"):
+        raise ValueError(f"move_trainer: to must be 'host' or 'device', not {to!r}")
+    target = torch.device(DIST.device if to == "device" else "cpu")
+    if to == "host" and optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    moved = 0
+
+    def move(t):
+        nonlocal moved
+        moved += local_bytes(t)
+        return moved_tensor(t, target)
+
+    with torch.no_grad():
+        model._apply(move)     # parameters and buffers (the grads are None on the way out)
+        for state in (optimizer.state.values() if optimizer is not None else ()):
+            for k, v in list(state.items()):
+                if torch.is_tensor(v) and v.dim() > 0:   # AdamW's m and v (its step count stays a scalar)
+                    state[k] = move(v)
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    return {"bytes": moved, "s": round(time.perf_counter() - t0, 3)}
 
 
 def is_sharded(model) -> bool:

@@ -225,8 +225,8 @@ class TransformersEngine:
         return fut
 
     def load_weights(self, weights) -> None:
-        """Copy new weights into the engine's model in place (no re-allocation). `weights` is a state dict or
-        a model; when it is the engine's own model (the CPU trainer may share it) there is nothing to copy.
+        """Copy new weights into the engine's model in place (no re-allocation). `weights` is a state dict, a
+        model, or (name, tensor) pairs (distributed.gathered_weights); when it is the engine's own model (the CPU trainer may share it) there is nothing to copy.
         Either way the cached KV of the shared prefix belongs to the old weights and is dropped."""
         import torch
 
@@ -236,7 +236,8 @@ class TransformersEngine:
             if weights is self.model:
                 return
             state = weights.state_dict() if hasattr(weights, "state_dict") else weights
-            state = {k.removeprefix("module."): v for k, v in state.items()}  # DDP / accelerate wrappers
+            pairs = state.items() if hasattr(state, "items") else state   # (or (name, tensor) pairs, streamed)
+            state = {k.removeprefix("module."): v for k, v in pairs}  # DDP / accelerate wrappers
             with torch.no_grad():
                 self.model.load_state_dict(state, strict=True)  # copy_() into the existing tensors
 

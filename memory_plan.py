@@ -152,7 +152,40 @@ def kv_bytes_per_token(d: ModelDims) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The plan
+# The plan: what each GPU holds in each phase of a step
+#
+# Paper scale (torchrun, vLLM, cfg.offload_trainer; docs/memory.md "Phases"): the rollouts and the update take
+# turns on every GPU, as verl and OpenRLHF do.
+#   rollout      the trainer's sharded state waits in (pinned) host memory (distributed.move_trainer); each GPU
+#                holds the trainer's CUDA context and one vLLM engine: its CUDA context (created before vLLM's
+#                memory snapshot, gpu_worker.init_device: outside gpu_memory_utilization), bf16 weights, runtime
+#                and a KV cache as large as what is left
+#   update       the engines sleep (vLLM sleep mode, level 2: weights and KV released; its context and runtime
+#                stay); the trainer's state is back on the GPU: 16 P / ranks, activations, the backward's peak
+#   weight sync  the engines' weights wake (wake_up(tags=["weights"])) beside the trainer's state; vLLM's in-place
+#                reload materialises each layer on the GPU before copying it in (the largest: the head, 2 V H),
+#                and the trainer gathers one tensor at a time in bf16 (distributed.gathered_weights); then the
+#                engines empty their cache (vllm_engine: rstar2_sync_end), the trainer goes to host memory and the
+#                KV cache wakes
+# Without the offload (one process, or offload_trainer=false) the trainer and the engines share every GPU at once:
+#   update       the trainer's peak beside the engine's whole budget; weight sync: the trainer's state, the
+#                engine's budget, the reload's largest layer and the gathered tensor
+# The SFT (stage "sft") is a phase of its own: the trainer alone (no engine), its micro-batches packed by forwarded
+# tokens (sft.py), checkpointed and chunked like the RL update.
+
+TRAINER_CONTEXT = "trainer: CUDA context, NCCL (assumed)"
+VLLM_CONTEXT = 1.0 * GiB      # vLLM's CUDA context (and its NCCL communicator), outside gpu_memory_utilization (assumed)
+ENGINE_BATCHED_TOKENS = 8192  # vLLM's max_num_batched_tokens (its engine-context default: 2,048): prefill chunks
+
+
+@dataclass
+class Phase:
+    name: str
+    items: dict                # item -> bytes on the busiest GPU
+
+    @property
+    def total(self) -> float:
+        return sum(self.items.values())
 
 
 @dataclass
@@ -163,28 +196,39 @@ class Plan:
     ranks: int                 # training processes (torchrun); 1 = one process
     gpu_bytes: float
     row_tokens: int            # the longest row: prompt + max_response_tokens of the run's longest stage
-    micro_tokens: int          # tokens of the micro-batch that needs most: a row alone, or micro_batch_tokens
-    trainer: dict              # item -> bytes on the trainer's busiest GPU
-    vllm: dict                 # item -> bytes of the engine beside it (empty: no engine on that GPU)
-    margin: float              # vLLM's share (GPU - trainer - reserve, as a rounded-down fraction) less its minimum
-                               # (bf16 weights, runtime, KV for one full-length rollout); without vLLM:
-                               # GPU - trainer - reserve
+    micro_tokens: int          # tokens of the RL micro-batch that needs most: a row alone, or micro_batch_tokens
+    offload: bool              # the trainer's state in host memory during rollouts, the engines asleep in the update
+    phases: list               # [Phase]: what each phase holds on the busiest GPU
+    margin: float              # the least free GPU memory over the phases, the reserve left aside; in the rollout
+                               # phase (and without the offload) beyond vLLM's minimum: KV for one full-length rollout
     gpu_memory_utilization: float
     kv_tokens: int             # KV capacity of one engine at that utilization
     engine_gpus: list
     max_micro_batch_tokens: int   # the largest multiple of 1024 that still fits (0: none)
+    host: dict                 # item -> host bytes on the node (the offload, the sync's and a checkpoint's gathers)
+    engine_args: dict          # what vLLM's engines start with (vllm_engine.VLLMEngine.launch)
 
     @property
     def fits(self) -> bool:
         return self.margin >= 0
 
+    @property
+    def rollouts_per_engine(self) -> float:
+        return self.kv_tokens / self.row_tokens
 
-def trainer_bytes(d: ModelDims, cfg: Config, ranks: int, tokens: int, kv_repeated: bool = True) -> dict:
+    @property
+    def host_bytes(self) -> float:
+        return max(self.host.values(), default=0)
+
+
+def trainer_bytes(d: ModelDims, cfg: Config, ranks: int, tokens: int, kv_repeated: bool = True,
+                  fsdp: bool | None = None) -> dict:
     """The trainer's peak on its busiest GPU, by item. ranks > 1: FSDP2, with the embeddings, the head and each layer
     their own units (distributed.shard_policy), bf16 compute; ranks == 1: the whole fp32 model on one GPU under bf16
-    autocast (accelerate), the system prompt's KV shared through the cache (rl_update.shared_prompt_kv)."""
+    autocast (accelerate), the system prompt's KV shared through the cache (rl_update.shared_prompt_kv).
+    fsdp=True with ranks == 1: FSDP2 on one GPU (tests/gpu_check_paper_scale.py measures it)."""
     P, Pl, Pv = total_params(d), layer_params(d), d.vocab * d.hidden
-    fsdp = ranks > 1
+    fsdp = ranks > 1 if fsdp is None else fsdp
     act = activation_bytes_per_token(d, cfg.activation_checkpointing, "bf16" if fsdp else "autocast",
                                      kv_repeated=kv_repeated, kv_cache=not fsdp)
     kept = act["kept"] * tokens
@@ -193,64 +237,129 @@ def trainer_bytes(d: ModelDims, cfg: Config, ranks: int, tokens: int, kv_repeate
     if fsdp:
         # FSDP2 (torch 2.13: _fsdp_param_group.post_backward, _fsdp_collectives.foreach_reduce): a unit's backward
         # holds its gathered bf16 weights (2 bytes x its parameters) and their bf16 gradient (2); then it frees the
-        # weights and copies the gradient into the fp32 reduce-scatter input (4): 6. The next unit is gathered ahead
-        # (2 Pl). Head phase: the log-prob chunks beside the head's weights and gradient, then its reduce-scatter.
-        # Layer phase: the layer run again beside its weights and gradient, then its reduce-scatter.
-        head = max(logits + 4 * Pv, dh + 6 * Pv) + 2 * Pl
-        layer = max(act["backward"] * tokens + 4 * Pl, 6 * Pl) + 2 * Pl
+        # weights and copies the gradient into the fp32 reduce-scatter input (4). The next unit is gathered ahead
+        # (2 Pl). A unit's fp32 reduce-scatter input stays alive until the *next* unit's post-backward
+        # (comm_ctx.reduce_scatter_states, reduce_scatter_max_input_buffers = 1: the oldest is dropped only once the
+        # next unit's gradients exist). Backward runs head, last layer, ..., embeddings: the head's 4 Pv lives
+        # through the last layer's recompute and backward, and each layer carries the one before's 4 Pl.
+        #   head phase:  the log-prob chunks beside the head's bf16 weights and its fp32 gradient buffer (2 + 4 Pv:
+        #                models.chunked_logprobs sums the chunks in fp32), the buffer's cast to bf16 (8 Pv at
+        #                once), then its reduce-scatter (bf16 gradient + fp32 input: 6 Pv)
+        #   layer phase: act x T + 6 Pl + 4 max(Pv, Pl)
+        head = max(logits + 6 * Pv, 8 * Pv, dh + 6 * Pv) + 2 * Pl
+        layer = act["backward"] * tokens + 6 * Pl + 4 * max(Pv, Pl)
     else:
         # one process: autocast's bf16 copies of the weights (all kept for backward without checkpointing; with it,
         # the recomputed layer's and the head's), and the head's backward: fp32 gradient buffer + bf16 copy (6 Pv)
         casts = 2 * P if not cfg.activation_checkpointing else 2 * (Pl + Pv)
         head = logits + 6 * Pv + casts
         layer = act["backward"] * tokens + casts
-    return {"fp32 weights, grads, AdamW m and v: 16 P / ranks": 16 * P / ranks,
-            "CUDA context, NCCL (assumed)": TRAINER_RUNTIME,
-            f"activations kept for backward ({act['kept'] / 1024:.0f} KiB/token)": kept,
+    return {"trainer: fp32 weights, grads, AdamW m and v: 16 P / ranks": 16 * P / ranks,
+            TRAINER_CONTEXT: TRAINER_RUNTIME,
+            f"activations kept for backward ({act['kept'] / 1024:.0f} KiB/token x {tokens})": kept,
             ("backward peak beyond them: output head (log-prob chunks, its unit)" if head >= layer else
-             "backward peak beyond them: a decoder layer run again, its unit"): max(head, layer)}
+             "backward peak beyond them: a layer run again, its unit, the last unit's fp32 grads"):
+            max(head, layer)}
+
+
+def sync_bytes(d: ModelDims, ranks: int) -> dict:
+    """The weight sync's extra on a GPU: vLLM's in-place reload materialises each layer before copying it into place
+    (model_loader/reload/layerwise.py; the largest: the head or embeddings, 2 V H in bf16), and under torchrun the
+    trainer gathers one tensor at a time in bf16 (distributed.gathered_weights: 2 V H at most). The engine's cache
+    would keep the reloaded layer: vllm_engine empties it at the end of every sync."""
+    largest = max(d.vocab * d.hidden, layer_params(d) // 3)
+    items = {"vLLM reload: its largest layer materialised (2 V H)": 2 * largest}
+    if ranks > 1:
+        items["trainer: one tensor gathered in bf16 for the sync (2 V H)"] = 2 * largest
+    return items
 
 
 def plan(d: ModelDims, cfg: Config, gpus: int, gpu_gb: float, ranks: int) -> Plan:
-    """The plan for the run's longest RL stage on `gpus` GPUs of `gpu_gb` GiB each (as torch reports them) with
-    `ranks` training processes (torchrun --nproc-per-node ranks; 1: one process)."""
+    """The plan for the stages the run takes on `gpus` GPUs of `gpu_gb` GiB each (as torch reports them) with `ranks`
+    training processes (torchrun --nproc-per-node ranks; 1: one process)."""
     gpu, P = gpu_gb * GiB, total_params(d)
-    row = max(apply_stage(cfg, s).max_response_tokens for s in run_stages(cfg)) + PROMPT_TOKENS
+    stages = run_stages(cfg)
+    rl = [s for s in stages if s != "sft"]
+    row = max([apply_stage(cfg, s).max_response_tokens for s in rl] or [cfg.max_response_tokens]) + PROMPT_TOKENS
+    with_vllm = cfg.engine != "transformers" and bool(rl)
     shared = ranks > 1 or gpus == 1      # an engine beside the trainer on every GPU (else: GPU 0 is the trainer's)
-    with_vllm = cfg.engine != "transformers"
-    engine_min = 2 * P + VLLM_RUNTIME + kv_bytes_per_token(d) * row if with_vllm else 0
+    offload = cfg.offload_trainer and ranks > 1 and with_vllm
+    reserve, kv_row = reserve_bytes(gpu), kv_bytes_per_token(d) * row
+    vllm_min = 2 * P + VLLM_RUNTIME + kv_row
+    engine_args = {"max_num_seqs": cfg.engine_batch, "max_num_batched_tokens": ENGINE_BATCHED_TOKENS}
 
     def at(micro: int):
-        """(tokens, trainer items, vLLM items, margin, gpu_memory_utilization) for a micro_batch_tokens."""
+        """(phases, margin, gpu_memory_utilization, RL tokens) for a micro_batch_tokens."""
+        phases = []
+        if "sft" in stages:   # packed by forwarded tokens: micro_batch_tokens at most (SFT rows are short)
+            phases.append(Phase("sft", trainer_bytes(d, cfg, ranks, micro, kv_repeated=True)))
+        if not rl:
+            return phases, min(gpu - reserve - p.total for p in phases), 0.0, 0
         # the largest micro-batches: one row alone (up to `row` tokens, no padding: no attention mask, so k and v
         # reach the attention unrepeated), or several shorter rows padded to the longest (up to `micro` tokens,
         # a mask: transformers repeats k and v for every head on GPUs)
         tokens, trainer = max(((n, trainer_bytes(d, cfg, ranks, n, kv_repeated=rep)) for n, rep in
                                ((row, False), (micro, True))), key=lambda c: sum(c[1].values()))
-        left = gpu - sum(trainer.values()) - reserve_bytes(gpu)        # on the trainer's GPU
+        state = {k: v for k, v in trainer.items() if k.startswith("trainer:")}
+        margins = [gpu - reserve - p.total for p in phases]
         if not with_vllm:
-            return tokens, trainer, {}, left, 0.0
-        room = left if shared else gpu - reserve_bytes(gpu)            # what vLLM may take on its GPUs
-        util = math.floor(100 * room / gpu) / 100                      # (vLLM takes a fraction: rounded down)
-        margin = util * gpu - engine_min                               # KV room beyond one full-length rollout
-        vllm = {"vLLM bf16 weights: 2 P": 2 * P, "vLLM runtime (assumed)": VLLM_RUNTIME,
-                "KV for one full-length rollout": kv_bytes_per_token(d) * row} if shared else {}
-        return tokens, trainer, vllm, (margin if shared else min(margin, left)), max(0.0, util)
+            phases.append(Phase("update", trainer))
+            return phases, min(margins + [gpu - reserve - sum(trainer.values())]), 0.0, tokens
+        context = {"vLLM CUDA context, outside gpu_memory_utilization (assumed)": VLLM_CONTEXT}
+        if offload:
+            util = math.floor(100 * (gpu - TRAINER_RUNTIME - VLLM_CONTEXT - reserve) / gpu) / 100
+            kv = util * gpu - 2 * P - VLLM_RUNTIME
+            phases.append(Phase("rollout", {TRAINER_CONTEXT: TRAINER_RUNTIME, **context,
+                                            "vLLM bf16 weights: 2 P": 2 * P, "vLLM runtime (assumed)": VLLM_RUNTIME,
+                                            f"vLLM KV cache ({kv / kv_row:.1f} full-length rollouts)": kv}))
+            margins.append(kv - kv_row)   # vLLM refuses to start without KV for one full-length rollout
+            asleep = {**context, "vLLM asleep: its runtime stays (assumed)": VLLM_RUNTIME}
+            phases.append(Phase("update", {**trainer, **asleep}))
+            phases.append(Phase("weight sync", {**state, **asleep, "vLLM bf16 weights, awake: 2 P": 2 * P,
+                                                **sync_bytes(d, ranks)}))
+            margins += [gpu - reserve - p.total for p in phases[-2:]]
+            return phases, min(margins), util, tokens
+        # trainer and engine share the GPU at once: the engine's budget is what the trainer's worst moment leaves
+        sync = {**state, **sync_bytes(d, ranks)}
+        room = gpu - reserve - VLLM_CONTEXT - max(sum(trainer.values()), sum(sync.values())) if shared else \
+            gpu - reserve - VLLM_CONTEXT
+        util = math.floor(100 * room / gpu) / 100
+        budget = {f"vLLM engine (gpu_memory_utilization {util:.2f}): weights, runtime, KV": util * gpu}
+        if shared:
+            phases.append(Phase("update", {**trainer, **context, **budget}))
+            phases.append(Phase("weight sync", {**sync, **context, **budget}))
+        else:
+            phases.append(Phase("update (GPU 0)", trainer))
+            phases.append(Phase("rollout (GPUs 1-)", {**context, **budget}))
+        margins.append(util * gpu - vllm_min)
+        if not shared:
+            margins.append(gpu - reserve - sum(trainer.values()))
+        return phases, min(margins), max(0.0, util), tokens
 
-    tokens, trainer, vllm, margin, util = at(cfg.micro_batch_tokens)
+    phases, margin, util, tokens = at(cfg.micro_batch_tokens)
     best = 0
     for micro in range(1024, 262145, 1024):
-        if at(micro)[3] < 0:
+        if at(micro)[1] < 0:
             break
         best = micro
     engine_gpus = (list(range(gpus)) if shared else list(range(1, gpus))) if with_vllm else []
     kv_tokens = max(0, int((util * gpu - 2 * P - VLLM_RUNTIME) // kv_bytes_per_token(d))) if engine_gpus else 0
-    return Plan(d.name, P, gpus, ranks, gpu, row, tokens, trainer, vllm, margin, util, kv_tokens, engine_gpus, best)
+    host = {}
+    if offload:
+        host["the trainer's state while the engines generate: weights, AdamW m and v, 12 P"] = 12 * P
+    if ranks > 1:
+        from vllm_engine import SYNC_BUCKET_BYTES
+
+        largest = max(d.vocab * d.hidden, layer_params(d) // 3)
+        host["weight sync: a bucket and one bf16 tensor on rank 0"] = SYNC_BUCKET_BYTES + 2 * largest
+        host["a checkpoint: full weights and AdamW state on rank 0, 16 P"] = 16 * P
+    return Plan(d.name, P, gpus, ranks, gpu, row, tokens, offload, phases, margin, util, kv_tokens, engine_gpus,
+                best, host, engine_args)
 
 
 def run_stages(cfg: Config) -> list[str]:
-    """The RL stages a command runs (their lengths differ: config.STAGES)."""
-    return ["1", "2", "3"] if cfg.stage in ("all", "sft") else [cfg.stage]
+    """The stages a command runs (their lengths differ: config.STAGES)."""
+    return {"all": ["sft", "1", "2", "3"], "sft": ["sft"]}.get(cfg.stage, [cfg.stage])
 
 
 def format_plan(p: Plan) -> str:
@@ -258,19 +367,27 @@ def format_plan(p: Plan) -> str:
     g = lambda b: f"{b / GiB:7.1f} GiB"  # noqa: E731
     how = f"torchrun, {p.ranks} ranks (FSDP2)" if p.ranks > 1 else "one process" + (
         ", the trainer alone on GPU 0" if p.gpus > 1 else ", trainer and engine share the GPU")
+    if p.offload:
+        how += "; the trainer's state in host memory during rollouts, vLLM asleep during the update"
     lines = [f"memory plan: {p.model} ({p.params / 1e9:.2f}B parameters) on {p.gpus} x {p.gpu_bytes / GiB:.1f} GiB, "
-             f"{how}; rows up to {p.row_tokens} tokens, micro-batches up to {p.micro_tokens} tokens",
-             "  trainer (busiest GPU):"]
-    lines += [f"    {k:<58} {g(v)}" for k, v in p.trainer.items()]
-    lines.append(f"    {'trainer total':<58} {g(sum(p.trainer.values()))}")
-    if p.vllm:
-        lines.append("  vLLM engine on the same GPU, at least:")
-        lines += [f"    {k:<58} {g(v)}" for k, v in p.vllm.items()]
-    lines.append(f"  {'reserve (fragmentation: 5%, at least 2 GiB)':<60} {g(reserve_bytes(p.gpu_bytes))}")
-    lines.append(f"  {'margin':<60} {g(p.margin)}  " + ("fits" if p.fits else "DOES NOT FIT"))
+             f"{how}; rows up to {p.row_tokens} tokens, micro-batches up to {p.micro_tokens} tokens"]
+    reserve = reserve_bytes(p.gpu_bytes)
+    for phase in p.phases:
+        lines.append(f"  {phase.name} phase (busiest GPU):")
+        lines += [f"    {k:<70} {g(v)}" for k, v in phase.items.items()]
+        lines.append(f"    {'reserve (fragmentation: 5%, at least 2 GiB, assumed)':<70} {g(reserve)}")
+        lines.append(f"    {'free':<70} {g(p.gpu_bytes - reserve - phase.total)}")
+    lines.append(f"  {'margin (the least over the phases; with vLLM beyond its minimum)':<72} {g(p.margin)}  " +
+                 ("fits" if p.fits else "DOES NOT FIT"))
     if p.engine_gpus:
         lines.append(f"  vLLM: gpu_memory_utilization {p.gpu_memory_utilization:.2f} on GPUs {p.engine_gpus}: KV for "
-                     f"{p.kv_tokens:,} tokens per engine = {p.kv_tokens / p.row_tokens:.1f} full-length rollouts")
+                     f"{p.kv_tokens:,} tokens per engine = {p.rollouts_per_engine:.1f} full-length rollouts; "
+                     f"max_num_seqs {p.engine_args['max_num_seqs']}, max_num_batched_tokens "
+                     f"{p.engine_args['max_num_batched_tokens']}")
+    if p.host:
+        lines.append("  host memory of the node:")
+        lines += [f"    {k:<70} {g(v)}" for k, v in p.host.items()]
+        lines.append(f"    {'at most':<70} {g(p.host_bytes)}")
     lines.append(f"  largest micro_batch_tokens that fits: {p.max_micro_batch_tokens or 'none'}")
     return "\n".join(lines)
 
@@ -279,6 +396,8 @@ def refusal(p: Plan, cfg: Config) -> str:
     """One line for a plan that does not fit: by how much, and what to change."""
     if p.ranks == 1 and p.gpus > 1 and 16 * p.params + reserve_bytes(p.gpu_bytes) > p.gpu_bytes:
         fix = f"run under torchrun --nproc-per-node {p.gpus} (FSDP2 shards the 16 bytes a parameter over the GPUs)"
+    elif p.ranks > 1 and p.engine_gpus and not p.offload:
+        fix = "--set offload_trainer=true (the trainer's state in host memory during rollouts)"
     elif not cfg.activation_checkpointing:
         fix = "--set activation_checkpointing=true"
     elif cfg.micro_batch_tokens > p.max_micro_batch_tokens > 0:

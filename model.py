@@ -505,6 +505,9 @@ def selected_logprobs(hidden, targets, weight, bias, temperature: float):
     return torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+HEAD_GRAD_ROWS = 16384   # vocabulary rows of the head's gradient computed at once into its fp32 buffer
+
+
 @functools.lru_cache(maxsize=None)
 def chunked_logprobs_function():
     """The autograd function ChunkedLogprobs, defined on first use (this module imports torch lazily)."""
@@ -517,8 +520,8 @@ def chunked_logprobs_function():
             d log p_y / d z = (onehot(y) - p) / T
             dh = g W,  dW += g^T h,  db += sum g,    g = grad_out[:, None] * (onehot(y) - p) / T   [C, V]
 
-        dW is one buffer of W's shape, added to in place chunk after chunk (as Liger-Kernel's fused linear
-        cross-entropy does). The matmuls run in the dtype the forward's projection ran in (bf16 under autocast or
+        dW is one fp32 buffer of W's shape, added to in place chunk after chunk (as Liger-Kernel's fused linear
+        cross-entropy does) and cast to W's dtype once at the end. The matmuls run in the dtype the forward's projection ran in (bf16 under autocast or
         with FSDP's bf16 weights): values and gradients are the unchunked computation's (tests/test_memory_plan.py).
         """
 
@@ -539,7 +542,9 @@ def chunked_logprobs_function():
             w = weight.to(cd)   # (a copy only under autocast over fp32 weights)
             b = bias.to(cd) if bias is not None else None
             dh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-            dw = torch.zeros_like(weight) if ctx.needs_input_grad[2] else None
+            # dW sums every chunk's g^T h: in fp32 even for bf16 weights (FSDP2's bf16 policy), rounded once at the
+            # end, not once per chunk (memory_plan counts the fp32 buffer: 4 V H)
+            dw = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[2] else None
             db = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[3] else None
             for s in range(0, hidden.shape[0], C):
                 h, y, go = hidden[s:s + C].to(cd), targets[s:s + C], grad_out[s:s + C]
@@ -553,11 +558,12 @@ def chunked_logprobs_function():
                 if dw is not None:
                     if dw.dtype == cd:
                         dw.addmm_(g.t(), h)
-                    else:
-                        dw += (g.t() @ h).to(dw.dtype)
+                    else:   # g^T h in blocks of vocabulary rows: no V x H product, and each block's (small)
+                        for r in range(0, g.shape[1], HEAD_GRAD_ROWS):   # cast into fp32 as it is added
+                            dw[r:r + HEAD_GRAD_ROWS].add_(g[:, r:r + HEAD_GRAD_ROWS].t() @ h)
                 if db is not None:
                     db += g.sum(0).to(db.dtype)
-            return dh, None, dw, db, None, None
+            return dh, None, dw.to(weight.dtype) if dw is not None else None, db, None, None
 
     return ChunkedLogprobs
 

@@ -40,6 +40,7 @@ from distributed import (DIST, all_ranks_sum, barrier, close_distributed, exit_r
                          init_distributed, load_optimizer_state, load_trainer_state, sharded_policy_from_rank0,
                          without_torchrun_env)
 # the update of one step (rl_update.py); its log-prob helpers are named here too, for tests and checks
+import phases  # noqa: E402  (paper scale: rollouts and the update take turns on the GPUs)
 from rl_update import (bf16_option, engine_trainer_mismatch, policy_update, shared_prefix_length,  # noqa: F401
                        token_logprobs)
 from run_files import (first_row, keep_lines_up_to, log, peak_memory_gb, plot_curves, prepare_run_dir,
@@ -326,8 +327,12 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
             raise UsageError(f"the checkpoint was written by {start.get('world', 1)} process(es) and this run has "
                              f"{DIST.world}: resume with the same number (torchrun --nproc-per-node)")
         if not reset_optimizer and start.get("optimizer") is not None:
+            turns = rt.turns or phases.Turns()
+            phases.for_update(turns, rt.engines, rt.model, optimizer)     # (its shards are filled on the GPUs)
             load_optimizer_state(rt.model, optimizer, start["optimizer"])
             schedule.load_state_dict(start["schedule"])
+            if turns.on:
+                phases.sync_for_rollouts(turns, rt.engines, rt.model, optimizer)
         if start.get("stage") == stage:  # resuming this very stage: continue its counters and randomness
             step, cursor = start["step"], start["cursor"]
             rng.setstate(start["roc_rng"])
@@ -381,14 +386,22 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
         rng.setstate(roc_rng)
         t_roll = time.time() - t0
         update = {"loss": None, "clip_frac": None, "grad_norm": None, "train_tokens": 0}
-        if any(abs(a) > 0 for _, a in kept):
+        train_now = any(abs(a) > 0 for _, a in kept)
+        turns, saved = rt.turns or phases.Turns(), None
+        save_now = turns.on and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps)
+        if train_now or save_now:
+            phases.for_update(turns, rt.engines, rt.model, optimizer)  # (offload: engines asleep, state on GPUs)
+        if train_now:
             update = policy_update(rt, cfg, optimizer, schedule, kept, rng, loss_sign)
             models.free_between_phases()  # the update's activations and graphs, before the engines reload
-            weights, _ = full_state(rt.model)
-            if lead:  # weight sync: the next rollouts sample the new policy
-                scheduler.sync_weights(rt.engines, weights if weights is not None else unwrapped(rt))
+        if train_now or save_now:
+            # offload: a checkpoint's state is gathered now, while it is on the GPUs (written below)
+            saved = full_state(rt.model, optimizer) if save_now else None
+            # weight sync: the next rollouts sample the new policy (offload: then the state to host memory)
+            phases.sync_for_rollouts(turns, rt.engines, rt.model, optimizer, unwrapped(rt))
+            if lead:
                 update |= vllm_engine.sync_report(rt.engines)  # vLLM: time, tensors per engine, checksums
-            del weights
+                update |= dict(turns.timings) if DIST.world > 1 else {}
             models.release_freed_memory()
         update |= gpu_memory_by_rank()  # a collective: every rank's peaks reach rank 0's metrics line
         step += 1
@@ -409,7 +422,8 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
                         f"{plural(cfg.eval_samples, 'sample')})")
         if step % cfg.save_every == 0 or final:  # after the metrics line: a resume drops lines past its step
             barrier()  # while rank 0 evaluates, the others wait here (gloo), not inside full_state's NCCL gather
-            weights, opt_state = full_state(rt.model, optimizer)
+            weights, opt_state = saved if saved is not None else full_state(rt.model, optimizer)
+            saved = None
             if lead:
                 state = {"step": step, "cursor": cursor, "stage": stage, "optimizer": opt_state,
                          "schedule": schedule.state_dict(), "rng": rng_state(), "roc_rng": rng.getstate(),
@@ -530,6 +544,9 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
     else:               # fp32 master weights
         policy = models.load_model(model_path, dtype=torch.float32, device=device)
     n_params = sum(p.numel() for p in policy.parameters())  # (under FSDP: DTensors count their full size)
+    # paper scale: the trainer's state waits in host memory while engines generate; weights sync in the engine's dtype
+    turns = phases.turns_for(cfg, sync_dtype=models.engine_dtype(bf16_option(cfg), device))
+    phases.trainer_to_host(turns, policy)
     if DIST.world > 1:
         if use_vllm:  # every rank's full copy must be gone before vLLM measures the free memory
             models.release_freed_memory()
@@ -540,13 +557,16 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
     if DIST.rank == 0:  # the rollout side lives on rank 0 only
         if use_vllm:  # the GPUs (or their shares) that the trainer leaves: scheduler.vllm_placement
             devices, fraction = None, 0.85  # a CPU build of vLLM: one engine, sized by VLLM_CPU_KVCACHE_SPACE
+            engine_args = {"enable_sleep_mode": True} if turns.on else {}
             if device == "cuda":
                 try:
+                    plan = memory_plan_for(cfg, model_path)
                     devices, fraction = scheduler.vllm_placement(torch.cuda.device_count(), DIST.world, n_params,
                                                                  torch.cuda.get_device_properties(0).total_memory,
-                                                                 plan=memory_plan_for(cfg, model_path))
+                                                                 plan=plan)
                 except ValueError as e:
                     raise UsageError(str(e)) from None
+                engine_args |= plan.engine_args   # max_num_seqs, max_num_batched_tokens (vLLM's defaults: 128, 2K)
             with without_torchrun_env():
                 engines = scheduler.VLLMEngine.launch(str(model_path), loop, seed=cfg.seed, devices=devices,
                                                       max_model_len=cfg.max_response_tokens + 2048,
@@ -554,7 +574,7 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
                                                       # bf16 on GPUs; on a CPU as the CPU engine's copy
                                                       # (precision=fp32: float32, auto: bf16 where fast)
                                                       dtype=str(models.engine_dtype(bf16_option(cfg), device)
-                                                                ).removeprefix("torch."))
+                                                                ).removeprefix("torch."), **engine_args)
         else:
             dtype = models.engine_dtype(bf16_option(cfg), device)   # bf16 where that is fast
             # in the trainer's own precision (fp32 on a CPU without bf16 units) the engine samples from the
@@ -575,7 +595,7 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
         from accelerate import Accelerator
 
         accelerator = Accelerator(mixed_precision="bf16")  # bf16 autocast on GPU; fp32 on CPU (no accelerator)
-    return Runtime(policy, tokenizer, engines, pool, loop, accelerator)
+    return Runtime(policy, tokenizer, engines, pool, loop, accelerator, turns=turns)
 
 
 def unwrapped(rt: Runtime):
@@ -627,12 +647,19 @@ def run_sft_stage(cfg: Config, base_model: Path) -> Path:
         policy = sharded_policy_from_rank0(base_model, device, bf16=device == "cuda")
     else:
         policy = models.load_model(base_model, dtype=torch.float32, device=device)
+    # micro-batches, checkpointing and log-prob chunks as the RL update's (memory_plan's SFT phase; the CPU
+    # preset's are SFTConfig's defaults)
     scfg = sft.SFTConfig(n_examples=cfg.sft_examples, epochs=cfg.sft_epochs, lr=cfg.sft_lr,
-                         batch_size=cfg.sft_batch, extra_chores=cfg.sft_extra_chores, seed=cfg.seed)
+                         batch_size=cfg.sft_batch, extra_chores=cfg.sft_extra_chores, seed=cfg.seed,
+                         micro_batch_tokens=cfg.micro_batch_tokens, logprob_chunk_tokens=cfg.logprob_chunk_tokens,
+                         activation_checkpointing=cfg.activation_checkpointing)
     try:  # starts its own sandbox pool (rank 0); an interrupted SFT's weights replace the base model's
         metrics = sft.run_sft(policy, tokenizer, scfg, ckpt, log=log, run_dir=d)
     except sft.ResumeMismatch as e:
         raise UsageError(str(e)) from None
+    finally:  # the SFT's model goes now: an FSDP2 module holds reference cycles, so only a collection frees it
+        del policy
+        models.free_between_phases()
     if DIST.rank == 0:
         write_json_atomic(d / "metrics.json", metrics)
     return ckpt
@@ -753,7 +780,7 @@ def main(argv=None) -> int:
         os.environ[SANDBOX_ISOLATION_ENV] = cfg.sandbox_isolation  # every sandbox pool of the run (SFT's too)
 
         base = models.resolve_model(cfg.model)
-        if device == "cuda" and cfg.stage != "sft":  # a plan that does not fit stops here, before any weight loads
+        if device == "cuda":  # a plan that does not fit (the SFT's too) stops here, before any weight loads
             plan = memory_plan_for(cfg, base)
             if not plan.fits:
                 import memory_plan

@@ -112,12 +112,14 @@ def batch_prompt(examples: list[Trajectory], pad_id: int) -> list[int]:
     return examples[0].input_ids[:p] if p >= 16 else []
 
 
-def my_micro_batches_of(examples: list[Trajectory], max_tokens: int) -> list:
-    """The examples in micro-batches of at most max_tokens padded response tokens (rows x the longest response
-    among them: what activations and logits grow with; the shared prompt runs once per micro-batch). Under
-    torchrun: this rank's token-balanced share, padded with None up to the busiest rank's count (an empty pass,
-    distributed.py)."""
-    lengths = [len(t.input_ids) - len(t.prompt_ids) for t in examples]
+def my_micro_batches_of(examples: list[Trajectory], max_tokens: int, shared: bool = True) -> list:
+    """The examples in micro-batches of at most max_tokens padded forwarded tokens (rows x the longest row among
+    them: what activations and logits grow with). shared: the prompt runs once per batch (models.shared_prompt_kv),
+    so a row forwards its part after the prompt; else (under torchrun) the whole row, prompt and response: packing
+    by response tokens there forwarded 4.5-6K tokens for a batch of short answers (50-69 GiB of activations at
+    14B, docs/memory.md). Under torchrun: this rank's token-balanced share, padded with None up to the busiest
+    rank's count (an empty pass, distributed.py)."""
+    lengths = [len(t.input_ids) - (len(t.prompt_ids) if shared else 0) for t in examples]
     shares = rank_shares(list(range(len(examples))), lengths)
     return [None if mb is None else [examples[i] for i in mb]
             for mb in my_micro_batches(shares, lengths, max_tokens)]
@@ -145,8 +147,8 @@ def accumulate_gradients(model, examples: list[Trajectory], cfg: SFTConfig, pad_
     with autocast(model, cfg):
         leaves, graph = models.shared_prompt_kv(model, prompt) if prompt else (None, None)
     loss = 0.0
-    for micro in my_micro_batches_of(examples, cfg.micro_batch_tokens):
-        with autocast(model, cfg):
+    for micro in my_micro_batches_of(examples, cfg.micro_batch_tokens, shared=share):
+        with autocast(model, cfg), models.layers_checkpointed(model, cfg.activation_checkpointing):
             loss_sum, _ = batch_loss(model, collate(micro or examples[:1], pad_id), share, leaves,
                                      cfg.logprob_chunk_tokens)
         if micro is None:
@@ -191,7 +193,7 @@ def heldout_loss(model, examples: list[Trajectory], cfg: SFTConfig, pad_id: int)
     prompt = batch_prompt(examples, pad_id) if share else []
     with torch.no_grad(), autocast(model, cfg):
         prompt_kv = models.shared_prompt_kv(model, prompt)[0] if prompt else None
-        for batch in my_micro_batches_of(examples, cfg.micro_batch_tokens):
+        for batch in my_micro_batches_of(examples, cfg.micro_batch_tokens, shared=share):
             s, c = batch_loss(model, collate(batch or examples[:1], pad_id), share, prompt_kv, cfg.logprob_chunk_tokens)
             if batch is not None:
                 total, count = total + float(s), count + c
@@ -210,8 +212,11 @@ class ResumeMismatch(ValueError):
 
 def settings_diff(theirs: dict, mine: dict) -> str:
     """The settings that differ between two SFTConfigs, as "name: old -> new" (save_every changes nothing)."""
-    return ", ".join(f"{k}: {theirs.get(k)!r} -> {v!r}" for k, v in sorted(mine.items())
-                     if k != "save_every" and json.dumps(theirs.get(k)) != json.dumps(v))
+    def saved(k):   # a setting newer than the saved run: it ran with the setting's default
+        return theirs[k] if k in theirs else getattr(SFTConfig.__dataclass_fields__.get(k), "default", None)
+
+    return ", ".join(f"{k}: {saved(k)!r} -> {v!r}" for k, v in sorted(mine.items())
+                     if k != "save_every" and json.dumps(saved(k)) != json.dumps(v))
 
 
 def interrupted_sft(run_dir: Path | None, cfg: SFTConfig) -> tuple[Path | None, dict | None]:

@@ -36,11 +36,14 @@ class SFTConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0           # global gradient-norm clip
     batch_size: int = 8              # examples per optimizer step (paper: not stated)
-    micro_batch_tokens: int = 1024   # rows x longest response per forward/backward (padded); gradients
+    micro_batch_tokens: int = 1024   # rows x longest forwarded row per forward/backward (padded; with the
+                                     # prompt run once, the rows' part after it); gradients
                                      # accumulate up to batch_size. Peak memory follows it; with the prompt run
                                      # once per batch, smaller micro-batches cost little (bench_sft_step.py)
     logprob_chunk_tokens: int = 256  # tokens whose 49K-wide logits exist at once (models.chunked_logprobs; <= 0:
                                      # all of a micro-batch's at once)
+    activation_checkpointing: bool = False  # keep one hidden state per decoder layer and token, run each layer
+                                     # again in backward (models.layers_checkpointed; the paper preset: on)
     max_steps: int | None = None     # cap on optimizer steps (None: epochs decide)
     max_tokens: int = 1024           # longer examples are dropped (paper: not stated for SFT)
     heldout_examples: int = 16       # generated with another seed; early stopping watches their loss

