@@ -307,7 +307,6 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     from tqdm.auto import tqdm
 
     import model as models
-    import scheduler
     import vllm_engine
 
     lead = DIST.rank == 0  # rollouts, evaluations, logs and checkpoints happen here
