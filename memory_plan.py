@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -413,3 +415,36 @@ def refusal(p: Plan, cfg: Config) -> str:
 def plan_for(cfg: Config, model_dir, gpus: int, gpu_gb: float, ranks: int) -> Plan:
     """The plan from a model directory's (or a config.json's) shape."""
     return plan(ModelDims.from_config_json(model_dir), cfg, gpus, gpu_gb, ranks)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The plan of a run (rstar2_mini.main: --plan, and the check before a GPU run loads a weight)
+
+
+def plan_for_run(cfg: Config, model_path):
+    """The plan for this run: the GPUs torch sees (or --gpus / --gpu-memory-gb), torchrun's ranks (or
+    --ranks; for a plan printed without torchrun, the paper preset's one rank per GPU)."""
+    import torch
+
+    seen = torch.cuda.is_available()
+    gpus = cfg.gpus or (torch.cuda.device_count() if seen else 0)
+    gb = cfg.gpu_memory_gb or (torch.cuda.get_device_properties(0).total_memory / GiB if seen else 0)
+    if not gpus or not gb:
+        raise UsageError("the memory plan needs the GPUs: on a machine without them pass --gpus N and "
+                         "--gpu-memory-gb G (e.g. --gpus 8 --gpu-memory-gb 79.2 for 8 x H100 80GB)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ranks = cfg.ranks or (world if world > 1 else gpus if cfg.preset == "paper" and cfg.plan else 1)
+    return plan_for(cfg, model_path, gpus, gb, ranks)
+
+
+def print_plan_for_run(cfg: Config) -> int:
+    """--plan: the plan as a table; exit 0 if it fits, else the refusal a run would stop with (exit 2)."""
+    import model as models
+
+    path = Path(cfg.model).expanduser()
+    plan = plan_for_run(cfg, path if (path / "config.json").exists() else models.resolve_model(cfg.model))
+    print(format_plan(plan))
+    if not plan.fits:
+        print(f"error: {refusal(plan, cfg)}", file=sys.stderr)
+        return 2
+    return 0

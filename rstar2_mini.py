@@ -45,6 +45,7 @@ from rl_update import (bf16_option, engine_trainer_mismatch, policy_update, shar
                        token_logprobs)
 from run_files import (first_row, keep_lines_up_to, log, peak_memory_gb, plot_curves, prepare_run_dir,
                        reset_peak_memory, saved_setting, stage_dir, write_json_atomic, write_samples)
+import memory_plan  # what each GPU holds (--plan, and the check before a GPU run)
 import curriculum  # each stage's data by difficulty: scans, cells, dealing, stage 3's hard subset
 from heldout import evaluation_sets, heldout_report, plural  # the validation and test sets; the last lines
 
@@ -559,7 +560,7 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
             engine_args = {"enable_sleep_mode": True} if turns.on else {}
             if device == "cuda":
                 try:
-                    plan = memory_plan_for(cfg, model_path)
+                    plan = memory_plan.plan_for_run(cfg, model_path)
                     devices, fraction = scheduler.vllm_placement(torch.cuda.device_count(), DIST.world, n_params,
                                                                  torch.cuda.get_device_properties(0).total_memory,
                                                                  plan=plan)
@@ -734,56 +735,21 @@ def run_rl_stage(cfg: Config, stage: str, base_model: Path, loss_sign: float = 1
 # Command line (parse_args: config.py)
 
 
-def memory_plan_for(cfg: Config, model_path):
-    """memory_plan.plan for this run: the GPUs torch sees (or --gpus / --gpu-memory-gb), torchrun's ranks (or
-    --ranks; for a plan printed without torchrun, the paper preset's one rank per GPU)."""
-    import torch
-
-    import memory_plan
-
-    seen = torch.cuda.is_available()
-    gpus = cfg.gpus or (torch.cuda.device_count() if seen else 0)
-    gb = cfg.gpu_memory_gb or (torch.cuda.get_device_properties(0).total_memory / memory_plan.GiB if seen else 0)
-    if not gpus or not gb:
-        raise UsageError("the memory plan needs the GPUs: on a machine without them pass --gpus N and "
-                         "--gpu-memory-gb G (e.g. --gpus 8 --gpu-memory-gb 79.2 for 8 x H100 80GB)")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    ranks = cfg.ranks or (world if world > 1 else gpus if cfg.preset == "paper" and cfg.plan else 1)
-    return memory_plan.plan_for(cfg, model_path, gpus, gb, ranks)
-
-
-def print_memory_plan(cfg: Config) -> int:
-    """--plan: the plan as a table; exit 0 if it fits, else the refusal a run would stop with (exit 2)."""
-    import memory_plan
-
-    import model as models
-
-    path = Path(cfg.model).expanduser()
-    plan = memory_plan_for(cfg, path if (path / "config.json").exists() else models.resolve_model(cfg.model))
-    print(memory_plan.format_plan(plan))
-    if not plan.fits:
-        print(f"error: {memory_plan.refusal(plan, cfg)}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def main(argv=None) -> int:
     try:
         cfg = parse_args(argv)
         import model as models
 
         if cfg.plan:  # the memory plan alone: no GPU, no weights, only config.json
-            return print_memory_plan(cfg)
+            return memory_plan.print_plan_for_run(cfg)
         device = models.training_device(cfg)  # the paper preset or torchrun ranks without a GPU stop here
         init_distributed(device)  # under torchrun: join the other ranks (distributed.py)
         os.environ[SANDBOX_ISOLATION_ENV] = cfg.sandbox_isolation  # every sandbox pool of the run (SFT's too)
 
         base = models.resolve_model(cfg.model)
         if device == "cuda":  # a plan that does not fit (the SFT's too) stops here, before any weight loads
-            plan = memory_plan_for(cfg, base)
+            plan = memory_plan.plan_for_run(cfg, base)
             if not plan.fits:
-                import memory_plan
-
                 raise UsageError(memory_plan.refusal(plan, cfg))
         stages = ["sft", "1", "2", "3"] if cfg.stage == "all" else [cfg.stage]
         for stage in stages:
