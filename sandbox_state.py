@@ -49,6 +49,8 @@ from sandbox_isolation import (CLONE_NEWNS, CLONE_NEWPID, MS_NODEV, MS_NOEXEC, M
 
 CONTROL_FD = 3  # in S and P: the session's end of the control socket
 ANSWER_S = 10.0  # what a session may take to commit or roll back before it is declared lost
+NOT_KEPT = ("the call's state could not be kept (no new state process: the call ended its own process or used "
+            "every process slot), so its effects were rolled back")
 STATE: dict = {}  # in P: "main" (the session's __main__ module), "private_mb" (its own memory)
 
 
@@ -186,8 +188,11 @@ def session_call(session: Session, request: dict, config: dict, iso: dict) -> di
     answer = None
     if not lost:
         try:
-            send(session.control, {"op": "commit" if state == "ok" else "rollback"})
+            kept = state == "ok" and (report or {}).get("state_kept", False)
+            send(session.control, {"op": "commit" if kept else "rollback"})
             answer = wait_for_answer(session.control)
+            if state == "ok" and not kept and answer is not None:
+                answer["refused"] = NOT_KEPT
         except OSError:
             pass
     lost = answer is None
@@ -199,7 +204,8 @@ def session_call(session: Session, request: dict, config: dict, iso: dict) -> di
     if oom_killed and state != "memory" and not err.total_bytes:
         err.feed(b"the call's processes together reached the sandbox's memory limit\n")
     if answer and answer.get("refused"):
-        state, exit_code = "memory", exit_code
+        if answer["refused"] != NOT_KEPT:  # past session_memory_mb
+            state = "memory"
         err.feed(answer["refused"].encode() + b"\n")
     if lost:
         err.feed(b"the Python session's state was lost (its processes died); the next call starts an empty "
@@ -247,11 +253,8 @@ def session_init(config: dict, iso: dict, control: socket.socket) -> None:
         uid = 0 if iso["kind"] == "userns" else sandbox_uid(config)
         mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
               f"size={config['scratch_mb']}m,nr_inodes=16384,mode=0700,uid={uid},gid={uid}")
-        try:
-            umount("/proc")
-        except OSError:
-            pass
-        try:  # this namespace's processes only; hidepid: the state sees its own uid's processes, not this init
+        try:  # this namespace's processes only (on top of the worker's: a user namespace mounts proc only where
+            # one is fully visible already); hidepid: the state sees its own uid's processes, not this init
             mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
         except OSError:
             mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
@@ -264,7 +267,7 @@ def session_init(config: dict, iso: dict, control: socket.socket) -> None:
             except ChildProcessError:
                 os._exit(0)  # no state left: the session is over (Z sees its control socket close)
     except BaseException:  # noqa: BLE001
-        os._exit(70)
+        report_failure()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -275,7 +278,7 @@ def state_main(config: dict, iso: dict) -> None:
     """The first state: an empty __main__ behind the sandbox's limits and uid. Never returns."""
     try:
         os.setsid()
-        set_limits(config, iso)
+        set_limits({**config, "extra_tasks": config["session_tasks"]}, iso)  # room for the worker's sessions' states
         os.chdir("/tmp")
         drop_privileges(sandbox_uid(config), iso["kind"])
         sys.argv = ["-c"]
@@ -290,6 +293,16 @@ def state_main(config: dict, iso: dict) -> None:
         send(control, {"ready": True})
         serve_state(control)
     except BaseException:  # noqa: BLE001
+        report_failure()
+
+
+def report_failure() -> None:
+    """The session's set-up failed: say why on the control socket (the worker's answer quotes it), then exit."""
+    import traceback
+
+    try:
+        send(socket.socket(fileno=CONTROL_FD), {"ready": False, "error": traceback.format_exc()[-600:]})
+    finally:
         os._exit(70)
 
 
@@ -309,14 +322,19 @@ def run_call(control: socket.socket, fds: list[int]) -> None:
     files, positions = snapshot_files("/tmp"), file_positions()
     generator = random.getstate()  # the random module reseeds every fork's child: the call gets the state's own
     to_call, to_state = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
+    pid = fork_or_none()
     if pid == 0:
         to_call.close()
         call_main(fds, to_state, control, generator)
+    if pid is None:  # every process slot taken (a fork bomb's remains not reaped yet): the call cannot start
+        os.write(fds[2], b"sandbox: the call could not start: no process slot is free\n")
     for fd in fds:
         os.close(fd)
     to_state.close()
-    pidfd = os.pidfd_open(pid)
+    if pid is None:
+        send(control, {"exited": True, "status": 70 << 8, "cpu": 0.0})
+        pid = 0
+    pidfd = os.pidfd_open(pid) if pid else os.eventfd(0)
     verdict = None
     while verdict is None:
         ready = select.select([pidfd, control], [], [])[0]
@@ -332,16 +350,14 @@ def run_call(control: socket.socket, fds: list[int]) -> None:
     if verdict["op"] == "commit":
         try:  # P' takes over: it kills this process, so nothing below runs on success
             socket.send_fds(to_call, [json.dumps({"private_mb": STATE["private_mb"]}).encode()], [control.fileno()])
-            answer = to_call.recv(1 << 12)
+            answer = to_call.recv(1 << 12) if select.select([to_call], [], [], ANSWER_S / 4)[0] else b""
         except OSError:
             answer = b""
         if answer == b"ok":
             while True:
                 signal.pause()
-        refused = answer.decode() if answer else None  # b"": no new state (the call ended its own process)
-    kill_the_rest()
-    if pid:
-        os.waitpid(pid, 0)
+        refused = answer.decode() if answer else NOT_KEPT
+    kill_the_rest()  # (the call's main process among them, reaped there)
     to_call.close()
     restore_files("/tmp", files)
     restore_positions(positions)
@@ -361,6 +377,7 @@ def call_main(fds: list[int], to_state: socket.socket, control: socket.socket, g
             if fd > w.RESULT_FD:
                 os.close(fd)
         random.setstate(generator)
+        w.build_call_streams()  # new stream objects: an earlier call may have closed (and kept) the last ones
         w.connect_streams()
         request = w.read_message(0)
         if request is None:
@@ -380,15 +397,18 @@ def call_main(fds: list[int], to_state: socket.socket, control: socket.socket, g
             stream.flush()
         except BaseException:  # noqa: BLE001
             pass
+    kept = False
     if exit_code == 0:  # the candidate state: a fork of this finished call, its threads left behind
         generator = random.getstate()
         try:
             if os.fork() == 0:
                 become_state(to_state, generator)
+            kept = True
         except OSError:
-            pass  # no new state: the verdict's commit finds nobody and rolls back
+            pass  # no process slot left (the call used them all): no new state, the call is rolled back
     try:
-        os.write(w.RESULT_FD, json.dumps({"exit_code": exit_code, "exception": exception}).encode() + b"\n")
+        os.write(w.RESULT_FD, json.dumps({"exit_code": exit_code, "exception": exception,
+                                          "state_kept": kept}).encode() + b"\n")
     except OSError:
         pass
     os._exit(exit_code)
@@ -424,6 +444,16 @@ def become_state(to_state: socket.socket, generator) -> None:
         os._exit(70)
 
 
+def fork_or_none() -> int | None:
+    """os.fork(), retried for up to a second while no process slot is free; None if none frees."""
+    for _ in range(200):
+        try:
+            return os.fork()
+        except BlockingIOError:
+            time.sleep(0.005)
+    return None
+
+
 def limit_cpu_time_soft(timeout_s: float) -> None:
     """A backstop like sandbox_isolation.limit_cpu_time, soft only: a later call of the session may need more."""
     import resource
@@ -449,22 +479,9 @@ def kill_the_rest() -> None:
                 pass
         except ChildProcessError:
             pass
-        if not [p for p in running_pids() if p not in (1, me)]:
-            return
+        if not [p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]:
+            return  # (zombies included: until the init has reaped them they hold process slots)
         time.sleep(0.001)
-
-
-def running_pids() -> list[int]:
-    pids = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    if f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X"):
-                        pids.append(int(name))
-            except (OSError, IndexError):
-                pass
-    return pids
 
 
 def private_memory_mb() -> float:

@@ -187,12 +187,16 @@ def run_cell(code: str, main: types.ModuleType) -> tuple[int, str | None]:
 
 
 def replay_history(history: Sequence[tuple[str, str]], main: types.ModuleType) -> None:
-    """Stateful sessions only: rerun the session's earlier successful cells, their output thrown away."""
-    streams = sys.stdin, sys.stdout, sys.stderr
+    """tool_state="replay" only: rerun the session's earlier successful cells, their output thrown away (and the
+    streams they closed open again: fds 1 and 2 are put back after the replay)."""
+    streams, fds = (sys.stdin, sys.stdout, sys.stderr), (os.dup(1), os.dup(2))
     for code, stdin in history:
         sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin), io.StringIO(), io.StringIO()
         run_cell(code, main)
     sys.stdin, sys.stdout, sys.stderr = streams
+    for target, fd in enumerate(fds, start=1):
+        os.dup2(fd, target)
+        os.close(fd)
 
 
 def child_main(config: dict, iso: dict, fds: tuple[int, int, int, int], scratch: str) -> None:
