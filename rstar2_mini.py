@@ -105,7 +105,8 @@ def rollout_config(cfg: Config, temperature: float | None = None, max_turns: int
     return scheduler.RolloutConfig(max_turns=max_turns or cfg.max_turns, max_response_tokens=cfg.max_response_tokens,
                                    temperature=temperature if temperature is not None else cfg.temperature,
                                    top_p=cfg.top_p, tool_timeout_s=cfg.tool_timeout_s,
-                                   deterministic=cfg.deterministic, chunk_tokens=cfg.chunk_tokens)
+                                   deterministic=cfg.deterministic, chunk_tokens=cfg.chunk_tokens,
+                                   tool_state=cfg.tool_state)
 
 
 def rollout_seed(use: str, seed: int, step: int = 0, round_: int = 0) -> int:
@@ -690,7 +691,7 @@ def engine_kv_tokens(cfg: Config, tokenizer) -> int:
     The engine's default, 65,536, held only ~51 of 64 rows with the cpu preset's 768-token budget (stages 2-3)."""
     import scheduler
 
-    prompt = len(scheduler.render_prompt(tokenizer, "")) + QUESTION_TOKENS
+    prompt = len(scheduler.render_prompt(tokenizer, "", cfg.tool_state)) + QUESTION_TOKENS
     return cfg.engine_batch * (prompt + cfg.max_response_tokens)
 
 
@@ -756,7 +757,8 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
             cap = {"kv_capacity_tokens": engine_kv_tokens(cfg, tokenizer)} if device == "cpu" else {}
             engines = [scheduler.TransformersEngine(engine_model, tokenizer, max_batch=cfg.engine_batch,
                                                     device=device, **cap)]
-        pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s, isolation=cfg.sandbox_isolation)
+        pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s, isolation=cfg.sandbox_isolation,
+                                   max_sessions=sandbox.sessions_that_fit() if cfg.tool_state == "persistent" else 0)
         loop.run_until_complete(pool.start())  # refuses to start without namespaces unless isolation is "none"
         if pool.isolation["missing"]:
             log(f"WARNING: sandbox isolation {pool.mode}: missing {'; '.join(pool.isolation['missing'])}")
@@ -968,6 +970,11 @@ def parse_args(argv=None) -> Config:
         raise UsageError(f"--set cell_sampling={cfg.cell_sampling}: choose turn or learnability")
     if cfg.sandbox_isolation not in ("auto", "none", "userns"):
         raise UsageError(f"sandbox isolation {cfg.sandbox_isolation!r}: choose auto or none")
+    if cfg.tool_state not in ("stateless", "replay", "persistent"):
+        raise UsageError(f"--set tool_state={cfg.tool_state}: choose stateless, replay or persistent")
+    if cfg.tool_state == "persistent" and cfg.sandbox_isolation == "none":
+        raise UsageError("--set tool_state=persistent needs the sandbox's namespaces (a session lives in PID and "
+                         "mount namespaces of its own): not with --sandbox-isolation none; use replay or stateless")
     from sft_config import SFTConfig
 
     try:  # an unknown SFT chore: before anything runs

@@ -708,6 +708,15 @@ SESSION_LOST = ("the Python session's state was lost (the sandbox worker holding
                 "an empty session")
 
 
+def sessions_that_fit(session_memory_mb: int = 256, share: float = 0.5) -> int:
+    """How many persistent sessions of at most session_memory_mb each fit in `share` of the memory available now
+    (MemAvailable): the trainer's and eval.py's max_sessions, so that live sessions can never drive the machine
+    into swap; past it, a new session is refused."""
+    with open("/proc/meminfo") as f:
+        available_kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    return max(1, int(share * available_kb / 1024 / session_memory_mb))
+
+
 class StatelessTool:
     """The paper's tool: every call a fresh process, nothing kept."""
 

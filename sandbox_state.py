@@ -29,6 +29,7 @@ own PID and mount namespaces), the worker, the host (the worker's namespaces, re
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import random
@@ -80,6 +81,7 @@ def open_session(config: dict, iso: dict) -> Session:
     own_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY)
     try:
         unshare(CLONE_NEWPID)  # Z's next child is PID 1 of a new namespace ...
+        gc.freeze()  # (the session's processes must not copy Z's heap when their garbage collector scans it)
         pid = os.fork()
         if pid == 0:
             ours.close()
@@ -322,6 +324,7 @@ def run_call(control: socket.socket, fds: list[int]) -> None:
     files, positions = snapshot_files("/tmp"), file_positions()
     generator = random.getstate()  # the random module reseeds every fork's child: the call gets the state's own
     to_call, to_state = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    gc.freeze()  # as for a stateless call: the call's collector leaves the state's objects (and their pages) alone
     pid = fork_or_none()
     if pid == 0:
         to_call.close()

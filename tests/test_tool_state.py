@@ -202,10 +202,14 @@ def test_sessions_past_the_limit_are_refused_clearly(pool):
             for s in sessions:
                 await s.close()
 
+    async def after():
+        async with pool.session("persistent") as session:
+            return await session.run("2")
+
     results = asyncio.run(go())
     assert [r.status for r in results[:-1]] == ["ok"] * pool.config.max_sessions
     assert results[-1].status == "rejected" and "max_sessions" in results[-1].stderr
-    assert asyncio.run(pool.session("persistent").run("2")).status == "ok"  # closed sessions free their slots
+    assert asyncio.run(after()).status == "ok"  # closed sessions free their slots
 
 
 def test_a_session_whose_state_outgrows_its_bound_is_refused_and_rolled_back():
@@ -258,3 +262,37 @@ def test_persistent_sessions_need_the_pid_namespace():
 def test_unknown_tool_state_is_an_error(pool):
     with pytest.raises(ValueError, match="stateless, replay, persistent"):
         pool.session("sticky")
+
+
+def test_rollouts_carry_a_trajectorys_session_across_its_turns(pool, tokenizer):
+    """The scheduler with the real pool: turn 1 defines x (and a failed turn 2 tries to change it), turn 3 reads
+    it; with a persistent tool x is there and unchanged, with the stateless tool it is not."""
+    import json as json_
+
+    import scheduler as S
+
+    def call(code):
+        return "<tool_call>" + json_.dumps({"name": S.TOOL_NAME, "arguments": {"code": code, "input": ""}}) + \
+            "</tool_call>"
+
+    turns = [call("x = 6 * 7"), call("x = 0\n1 / 0"), call("print(x)"), "Done."]
+
+    def script(req):
+        _, _, turn = req.key
+        text = turns[min(turn, len(turns) - 1)]
+        ids = S.encode(tokenizer, text)
+        return (ids, "tool") if text.endswith(S.TOOL_CALL_CLOSE) else (ids + [tokenizer.eos_token_id], "eos")
+
+    responses = {}
+    for tool_state in ("stateless", "persistent"):
+        loop = S.virtual_time_loop()
+        engines = [S.SimulatedEngine(script, 20000, tokens_per_s=1000, saturation=4)]
+        try:
+            groups = S.run_rollouts(engines, pool, tokenizer, [("p", "q")], 2, S.RolloutConfig(tool_state=tool_state),
+                                    seed=0, progress=False, loop=loop)
+        finally:
+            loop.close()
+        responses[tool_state] = [t.response_text for t in groups[0]]
+    assert all("stdout: 42" in r and r.count("rolled back") >= 1 for r in responses["persistent"])
+    assert all("NameError" in r and "rolled back" not in r for r in responses["stateless"])
+    assert not pool._sessions  # every trajectory's session was closed with it
