@@ -48,8 +48,10 @@ from sandbox_isolation import (CLONE_NEWNS, CLONE_NEWPID, MS_NODEV, MS_NOEXEC, M
                                PR_SET_PDEATHSIG, check, drop_privileges, libc, mount, prctl, sandbox_uid,
                                set_limits, umount, unshare)
 
+PR_SET_DUMPABLE = 4
 CONTROL_FD = 3  # in S and P: the session's end of the control socket
-ANSWER_S = 10.0  # what a session may take to commit or roll back before it is declared lost
+ANSWER_S = 4.0  # what a session may take to commit or roll back before it is declared lost (well inside the
+# pool's own safety net, timeout + 10 s, so that a stopped session never makes its worker look hung)
 NOT_KEPT = ("the call's state could not be kept (no new state process: the call ended its own process or used "
             "every process slot), so its effects were rolled back")
 STATE: dict = {}  # in P: "main" (the session's __main__ module), "private_mb" (its own memory)
@@ -283,7 +285,8 @@ def state_main(config: dict, iso: dict) -> None:
         set_limits({**config, "extra_tasks": config["session_tasks"]}, iso)  # room for the worker's sessions' states
         os.chdir("/tmp")
         drop_privileges(sandbox_uid(config), iso["kind"])
-        sys.argv = ["-c"]
+        prctl(PR_SET_DUMPABLE, 0)  # no call may ptrace the state or open its /proc/PID/mem (a user namespace's
+        sys.argv = ["-c"]  # one uid would allow it; a uid drop as root already clears it)
         sys.path.insert(0, "")
         if "numpy.random" in sys.modules:
             sys.modules["numpy.random"].seed(int.from_bytes(os.urandom(4), "little"))

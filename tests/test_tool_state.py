@@ -102,6 +102,46 @@ def test_a_failed_call_leaves_the_session_exactly_as_before(pool, failure):
     assert probe.stdout == one_fresh_process([(SETUP, ""), (PROBE, "")])  # as if the failed call never ran
 
 
+# A call that turns on the session's own processes. Their memory is out of its reach: the state comes out intact.
+# Signals are not (the state and the call share a uid and a PID namespace): a call that kills the state loses the
+# session, and says so; the next call starts an empty session, and no process is left over.
+REACH_MEMORY = {
+    "writes its parent's memory": ("import os\nfd = os.open(f'/proc/{os.getppid()}/mem', os.O_RDWR)\n"
+                                   "os.pwrite(fd, b'x' * 8, 0x400000)"),
+    "attaches to its parent": ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                               "assert libc.ptrace(16, os.getppid(), 0, 0) == 0, ctypes.get_errno()"),
+}
+SIGNALS = {
+    "kills its parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nimport time\ntime.sleep(0.5)",
+    "kills every process": "import os, signal\nos.kill(-1, signal.SIGKILL)\nimport time\ntime.sleep(0.5)",
+    "stops its parent": "import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)",
+}
+
+
+@pytest.mark.parametrize("attack", list(REACH_MEMORY), ids=list(REACH_MEMORY))
+def test_a_call_cannot_reach_the_states_memory(pool, attack):
+    setup, attacked, probe = calls(pool, "persistent", [(SETUP, ""), (MUTATE + REACH_MEMORY[attack], ""), (PROBE, "")])
+    assert attacked.status == "error" and attacked.rolled_back, attacked
+    assert any(e in attacked.stderr for e in ("PermissionError", "FileNotFoundError", "AssertionError: 1")), attacked
+    assert probe.stdout == one_fresh_process([(SETUP, ""), (PROBE, "")]), probe
+
+
+@pytest.mark.parametrize("attack", list(SIGNALS), ids=list(SIGNALS))
+def test_a_call_that_kills_the_state_loses_the_session_loudly_and_leaves_nothing(pool, attack):
+    async def go():
+        async with pool.session("persistent") as session:
+            await session.run("x = 1")
+            namespace = session.namespace
+            return await session.run(SIGNALS[attack]), namespace, await session.run("print('x' in globals())")
+
+    restarts = pool.stats["restarts"]
+    attacked, namespace, after = asyncio.run(go())
+    assert attacked.status != "ok" and attacked.rolled_back and "state was lost" in attacked.stderr, attacked
+    assert pool.stats["restarts"] == restarts  # the session alone was lost, never its worker
+    assert after.status == "ok" and after.stdout == "False\n"  # a new, empty session
+    assert wait_until(lambda: not processes_in_namespace(namespace))  # the lost session left nothing
+
+
 def test_a_successful_call_is_not_rolled_back_and_says_nothing_about_it(pool):
     ok, = calls(pool, "persistent", [("print(1)", "")])
     assert ok.status == "ok" and not ok.rolled_back
