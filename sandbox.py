@@ -44,7 +44,11 @@ pid_max in its PID namespace (300 + max_processes + 3, Linux 6.14+). Its memory 
 where cgroups are writable, by the worker's cgroup memory limit, which counts all its processes together with its
 /tmp (a tmpfs) and memfds. Every call has oom_score_adj 1000 (its workers 500): when memory runs out anywhere, the
 kernel kills a call first, before the trainer. docs/sandbox.md has the table and the measured bombs.
-SandboxSession adds optional state.
+
+The tool's state across a trajectory's calls (tool_state; pool.session(tool_state) gives a trajectory its tool):
+stateless (the paper's, the default: the pool itself), replay (ReplaySession: earlier successful calls rerun in
+each call's fork) or persistent (PersistentSession: a live session in the worker, sandbox_state.py; each call a
+fork of the last good state, a failed call rolled back). docs/sandbox.md, "Persistence and rollback".
 
 Run `python sandbox.py` for a small demonstration.
 """

@@ -440,11 +440,15 @@ def become_state(to_state: socket.socket, generator) -> None:
                           "(session_memory_mb): the call's effects were rolled back".encode())
             os._exit(0)
         to_state.send(b"ok")
+        try:  # the last state and the call's other processes: signalled now, waited for after the answer (the
+            os.kill(-1, signal.SIGKILL)  # next call is read only then)
+        except ProcessLookupError:
+            pass
+        send(control, {"committed": True})
         kill_the_rest()
         to_state.close()
         random.setstate(generator)
         STATE["private_mb"] = private_memory_mb()
-        send(control, {"committed": True})
         serve_state(control)
     except BaseException:  # noqa: BLE001
         os._exit(70)

@@ -13,6 +13,9 @@ in length-prefixed JSON over its stdin and stdout (send_message / read_message, 
     supervise_call()       Z: drains C's stdout/stderr (HeadTail), enforces the timeout and the output cap, kills
                               every process of the call, classify() -> {"status", "stdout", "stderr", ...}
 
+A request naming a persistent session (tool_state="persistent") goes to serve_session() and sandbox_state.py
+instead; the fork waiting for the next stateless call keeps waiting.
+
 The reply becomes an ExecResult in the pool's handler thread (sandbox.py). This module imports only the standard
 library and sandbox_isolation.py, never sandbox.py: a worker needs neither asyncio nor the pool.
 """

@@ -74,15 +74,22 @@ async def throughput(run, code, n, in_flight, expect=None):
     return n / (time.perf_counter() - start)
 
 
-# A model's cell: an import, a symbol, a list, a function (what turns of a math trajectory define)
-CELL = ("import sympy\nx{i} = sympy.Symbol('x{i}')\nvalues{i} = [k * k for k in range(2000)]\n"
-        "def f{i}(n):\n    return sum(values{i}[:n])\nprint(f{i}(10), sympy.expand((x{i} + 1) ** 2))")
+# A model's cell: an import, a list, a function (what turns of a math trajectory define), without and with sympy
+# work (cold in every fresh process; a persistent session keeps sympy's caches warm, replay redoes the work)
+CELLS = {
+    "plain": ("import fractions\nvalues{i} = [k * k for k in range(2000)]\ndef f{i}(n):\n    return sum(values{i}[:n])\n"
+              "print(f{i}(10), fractions.Fraction({i} + 1, 7))"),
+    "sympy": ("import sympy\nx{i} = sympy.Symbol('x{i}')\nvalues{i} = [k * k for k in range(2000)]\n"
+              "def f{i}(n):\n    return sum(values{i}[:n])\nprint(f{i}(10), sympy.expand((x{i} + 1) ** 2))"),
+}
+CELL = CELLS["sympy"]
 
 
-async def tool_state_latencies(pool, history_lengths, repeats):
+async def tool_state_latencies(pool, history_lengths, repeats, cell):
     """Wall time of a session's h-th call (h - 1 successful calls before it), per tool_state and h: p50 and p99
     over `repeats` sessions; the three tool states take turns, so that other load on the machine hits all alike."""
     times = {(mode, h): [] for mode in TOOL_STATES for h in history_lengths}
+    CELL = cell  # noqa: N806
     for _ in range(repeats):
         for h in history_lengths:
             for mode in TOOL_STATES:
@@ -185,7 +192,8 @@ async def main(args):
         report["pool_stats"] = dict(pool.stats)
 
         # ---- the tool's state across calls: the h-th call of a session, for each tool_state (interleaved)
-        report["tool_states"] = await tool_state_latencies(pool, [1, 4, 15], n(20))
+        report["tool_states"] = {name: await tool_state_latencies(pool, [1, 4, 15], n(20), cell)
+                                 for name, cell in CELLS.items()}
     async with SandboxPool(max_sessions=args.sessions) as pool:
         report["session_memory"] = await session_memory(pool, args.sessions)
 
