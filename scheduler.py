@@ -275,6 +275,13 @@ class Scheduler:
         self.dispatch()
 
 
+def session_slots(pool, cfg: RolloutConfig) -> asyncio.Semaphore | None:
+    """With persistent sessions, at most the pool's max_sessions trajectories run at once (the others wait to
+    start): past it the pool would refuse their sessions. None: no bound."""
+    limit = getattr(getattr(pool, "config", None), "max_sessions", 0) if cfg.tool_state == "persistent" else 0
+    return asyncio.Semaphore(limit) if limit > 0 else None
+
+
 def open_tool(pool, tool_state: str):
     """A trajectory's tool: the pool itself for the stateless tool, else a session of it (pool.session)."""
     return pool if tool_state == "stateless" else pool.session(tool_state)
@@ -414,8 +421,17 @@ async def rollout_groups(engines: list, pool, tokenizer, problems: list[tuple[st
     sched = Scheduler(engines, cfg, len(problems), n_per_problem)
     bar = tqdm(total=len(problems) * n_per_problem, desc="rollouts", unit="traj", disable=not progress)
 
+    slots = session_slots(pool, cfg)
+
     async def one(pi: int, si: int) -> Trajectory:
-        traj = await rollout_one(sched, pool, tokenizer, cfg, seed, pi, si, problems[pi][0], prompts[pi])
+        if slots is None:
+            traj = await rollout_one(sched, pool, tokenizer, cfg, seed, pi, si, problems[pi][0], prompts[pi])
+        else:  # a persistent session each: no more trajectories at once than the pool holds sessions
+            sched.busy -= 1  # (waiting for a slot is not running: deterministic waves form without it)
+            sched.dispatch()
+            async with slots:
+                sched.busy += 1
+                traj = await rollout_one(sched, pool, tokenizer, cfg, seed, pi, si, problems[pi][0], prompts[pi])
         bar.update(1)
         return traj
 

@@ -967,3 +967,36 @@ def test_the_prompt_names_a_stateful_tool_in_one_line_and_the_stateless_prompt_i
     assert protocol.prompt_text("q", "replay") != protocol.prompt_text("q", "persistent")
     with pytest.raises(ValueError, match="tool_state"):
         protocol.prompt_text("q", "sticky")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_persistent_trajectories_wait_for_a_session_slot_instead_of_being_refused(tokenizer, deterministic):
+    """A pool that holds at most max_sessions live sessions: no more trajectories than that run at once (the
+    others wait to start), so none meets the pool's refusal; deterministic waves still form."""
+    class Bounded(SessionTools):
+        class config:  # noqa: N801 - stands in for SandboxConfig
+            max_sessions = 2
+
+        def __init__(self):
+            super().__init__()
+            self.live = self.most = 0
+
+        def session(self, tool_state):
+            session, pool = super().session(tool_state), self
+            pool.live += 1
+            pool.most = max(pool.most, pool.live)
+            close = session.close
+
+            async def closing():
+                pool.live -= 1
+                await close()
+            session.close = closing
+            return session
+
+    turns = lambda p, s: [call_text(f"print({p}{s})"), call_text("sleep 0.5"), "Done."]  # noqa: E731
+    tools = Bounded()
+    cfg = S.RolloutConfig(tool_state="persistent", deterministic=deterministic)
+    groups, _ = run_sim(tokenizer, scripted(tokenizer, turns), [("a", "q0"), ("b", "q1"), ("c", "q2")], 2, cfg,
+                        tools=tools)
+    assert tools.most == 2 and tools.live == 0 and len(tools.sessions) == 6
+    assert all(t.finish_reason == "answer" and t.tool_calls == 2 for g in groups for t in g)
