@@ -762,6 +762,9 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
         loop.run_until_complete(pool.start())  # refuses to start without namespaces unless isolation is "none"
         if pool.isolation["missing"]:
             log(f"WARNING: sandbox isolation {pool.mode}: missing {'; '.join(pool.isolation['missing'])}")
+        if cfg.tool_state != "stateless":
+            log(f"tool_state {cfg.tool_state}" + (f": at most {pool.config.max_sessions} live Python sessions, "
+                f"{pool.config.session_memory_mb} MB each (docs/sandbox.md)" if pool.config.max_sessions else ""))
     accelerator = None
     if device == "cuda" and DIST.world == 1:  # (FSDP's mixed-precision policy does this under torchrun)
         from accelerate import Accelerator

@@ -124,7 +124,7 @@ class SandboxConfig:
     # persistent Python sessions (tool_state="persistent", sandbox_state.py): at most this many live at once in
     # the pool (0: none; more are refused), each state at most session_memory_mb of memory of its own
     max_sessions: int = 0
-    session_memory_mb: int = 256
+    session_memory_mb: int = 128  # (a session after four sympy cells held 13 MB of its own: docs/sandbox.md)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -712,7 +712,7 @@ SESSION_LOST = ("the Python session's state was lost (the sandbox worker holding
                 "an empty session")
 
 
-def sessions_that_fit(session_memory_mb: int = 256, share: float = 0.5) -> int:
+def sessions_that_fit(session_memory_mb: int = SandboxConfig.session_memory_mb, share: float = 0.5) -> int:
     """How many persistent sessions of at most session_memory_mb each fit in `share` of the memory available now
     (MemAvailable): the trainer's and eval.py's max_sessions, so that live sessions can never drive the machine
     into swap; past it, a new session is refused."""
