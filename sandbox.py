@@ -590,8 +590,9 @@ class SandboxPool:
             with self._lock:
                 if request.get("session") in self._sessions:
                     self._sessions[request["session"]][1] = None  # it died with the worker: its next call starts anew
-            return ExecResult("crashed", "", "sandbox worker died and was replaced" + (
-                "; " + SESSION_LOST if "session" in request else ""), None, 0.0, rolled_back="session" in request), False
+            lost = "; " + SESSION_LOST if "session" in request else ""
+            return ExecResult("crashed", "", "sandbox worker died and was replaced" + lost, None, 0.0,
+                              rolled_back="session" in request), False
         if "session" in request:
             namespace = answer.pop("namespace", None)
             with self._lock:

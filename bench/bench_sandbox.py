@@ -77,34 +77,32 @@ async def throughput(run, code, n, in_flight, expect=None):
 # A model's cell: an import, a list, a function (what turns of a math trajectory define), without and with sympy
 # work (cold in every fresh process; a persistent session keeps sympy's caches warm, replay redoes the work)
 CELLS = {
-    "plain": ("import fractions\nvalues{i} = [k * k for k in range(2000)]\ndef f{i}(n):\n    return sum(values{i}[:n])\n"
-              "print(f{i}(10), fractions.Fraction({i} + 1, 7))"),
+    "plain": ("import fractions\nvalues{i} = [k * k for k in range(2000)]\n"
+              "def f{i}(n):\n    return sum(values{i}[:n])\nprint(f{i}(10), fractions.Fraction({i} + 1, 7))"),
     "sympy": ("import sympy\nx{i} = sympy.Symbol('x{i}')\nvalues{i} = [k * k for k in range(2000)]\n"
               "def f{i}(n):\n    return sum(values{i}[:n])\nprint(f{i}(10), sympy.expand((x{i} + 1) ** 2))"),
 }
-CELL = CELLS["sympy"]
 
 
 async def tool_state_latencies(pool, history_lengths, repeats, cell):
     """Wall time of a session's h-th call (h - 1 successful calls before it), per tool_state and h: p50 and p99
     over `repeats` sessions; the three tool states take turns, so that other load on the machine hits all alike."""
     times = {(mode, h): [] for mode in TOOL_STATES for h in history_lengths}
-    CELL = cell  # noqa: N806
     for _ in range(repeats):
         for h in history_lengths:
             for mode in TOOL_STATES:
                 tool = pool.session(mode)
                 try:
                     for i in range(h - 1):
-                        assert (await tool.run(CELL.format(i=i))).status == "ok"
+                        assert (await tool.run(cell.format(i=i))).status == "ok"
                     start = time.perf_counter()
-                    result = await tool.run(CELL.format(i=h - 1))
+                    result = await tool.run(cell.format(i=h - 1))
                     times[mode, h].append(time.perf_counter() - start)
                     assert result.status == "ok", result
                 finally:
                     await tool.close()
-    return {f"{mode}_h{h}": {"p50_ms": round(1e3 * statistics.median(t), 2), "p99_ms": round(1e3 * percentile(t, 0.99), 2)}
-            for (mode, h), t in times.items()}
+    return {f"{mode}_h{h}": {"p50_ms": round(1e3 * statistics.median(t), 2),
+                             "p99_ms": round(1e3 * percentile(t, 0.99), 2)} for (mode, h), t in times.items()}
 
 
 def memory_of(pids):
@@ -141,7 +139,7 @@ async def session_memory(pool, count):
     try:
         for session in sessions:
             for i in range(4):
-                assert (await session.run(CELL.format(i=i))).status == "ok"
+                assert (await session.run(CELLS["sympy"].format(i=i))).status == "ok"
         pids = [pid for s in sessions for pid in pids_in_namespace(s.namespace)]
         private, pss = memory_of(pids)
     finally:
