@@ -337,3 +337,26 @@ def test_rollouts_carry_a_trajectorys_session_across_its_turns(pool, tokenizer):
     assert all("stdout: 42" in r and r.count("rolled back") >= 1 for r in responses["persistent"])
     assert all("NameError" in r and "rolled back" not in r for r in responses["stateless"])
     assert not pool._sessions  # every trajectory's session was closed with it
+
+
+def test_a_killed_trainer_leaves_no_session_process():
+    """The trainer dies without closing anything (SIGKILL, as a crash or a second Ctrl-C): its sessions go with
+    it (the session's init dies with its worker, the worker with the trainer: PR_SET_PDEATHSIG down the chain)."""
+    script = ("import asyncio, sys, time, sandbox\n"
+              "async def main():\n"
+              "    pool = sandbox.SandboxPool(workers=1, preload=(), max_sessions=2)\n"
+              "    await pool.start()\n"
+              "    s = pool.session('persistent')\n"
+              "    await s.run('x = 1')\n"
+              "    print(s.namespace, flush=True)\n"
+              "    time.sleep(60)\n"
+              "asyncio.run(main())\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=root)
+    try:
+        namespace = int(trainer.stdout.readline())
+        assert len(processes_in_namespace(namespace)) >= 2
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert wait_until(lambda: not processes_in_namespace(namespace)), processes_in_namespace(namespace)
