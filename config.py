@@ -65,6 +65,10 @@ class Config:
     temperature: float = 1.0          # rollout temperature (paper: 1.0 for training, 0.6 for evaluation)
     top_p: float = 1.0
     tool_timeout_s: float = 10.0
+    # the Python tool's state across a trajectory's calls (sandbox.py, docs/sandbox.md): stateless (the paper's:
+    # each call a fresh process) | replay (earlier successful calls rerun before each call) | persistent (one live,
+    # isolated Python session per trajectory; a failed call is rolled back). A stateful tool is named in the prompt.
+    tool_state: str = "stateless"
     # sandbox.py isolation: auto (namespaces, or refuse to start) | none (accept rlimits only: warned, recorded)
     sandbox_isolation: str = dataclasses.field(default_factory=lambda: os.environ.get(SANDBOX_ISOLATION_ENV, "auto"))
     engine_batch: int = 32            # CPU engine: rows in the running batch (continuous batching)
@@ -291,6 +295,11 @@ def parse_args(argv=None) -> Config:
         raise UsageError(f"--set cell_sampling={cfg.cell_sampling}: choose turn or learnability")
     if cfg.sandbox_isolation not in ("auto", "none", "userns"):
         raise UsageError(f"sandbox isolation {cfg.sandbox_isolation!r}: choose auto or none")
+    if cfg.tool_state not in ("stateless", "replay", "persistent"):
+        raise UsageError(f"--set tool_state={cfg.tool_state}: choose stateless, replay or persistent")
+    if cfg.tool_state == "persistent" and cfg.sandbox_isolation == "none":
+        raise UsageError("--set tool_state=persistent needs the sandbox's namespaces (a session lives in PID and "
+                         "mount namespaces of its own): not with --sandbox-isolation none; use replay or stateless")
     from sft_config import SFTConfig
 
     try:  # an unknown SFT chore: before anything runs

@@ -710,6 +710,10 @@ def main(argv=None) -> int:
                     "transformers")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                     help="the engine's weights: auto = bf16 on GPUs and on CPUs with bf16 units, else float32")
+    ap.add_argument("--tool-state", default="stateless", choices=("stateless", "replay", "persistent"),
+                    help="the Python tool's state across a trajectory's calls: stateless (the paper's), replay "
+                    "(earlier calls rerun) or persistent (one isolated Python session per trajectory); "
+                    "docs/sandbox.md")
     ap.add_argument("--show", type=int, default=0, help="print N trajectories readably")
     ap.add_argument("--out", help="directory for result.json and result.md (default: print only)")
     args = ap.parse_args(argv)
@@ -753,8 +757,8 @@ def main(argv=None) -> int:
                                                                   device=device),   # bf16 where that is fast
                                                 tokenizer, max_batch=args.batch, device=device)]
     cfg = scheduler.RolloutConfig(max_turns=args.max_turns, max_response_tokens=args.max_tokens,
-                                  temperature=args.temperature, top_p=args.top_p)
-    pool = sandbox.SandboxPool()
+                                  temperature=args.temperature, top_p=args.top_p, tool_state=args.tool_state)
+    pool = sandbox.SandboxPool(max_sessions=sandbox.sessions_that_fit() if args.tool_state == "persistent" else 0)
     try:  # (the pool starts inside: if it cannot, the engines still stop)
         loop.run_until_complete(pool.start())
         summary, groups = evaluate(engines, pool, tokenizer, problems, args.samples, cfg, loop, seed=args.seed)
@@ -763,7 +767,7 @@ def main(argv=None) -> int:
         loop.run_until_complete(pool.close())
         loop.close()
     summary.update(model=str(path), data=args.data, temperature=args.temperature, max_turns=args.max_turns,
-                   max_tokens=args.max_tokens)
+                   max_tokens=args.max_tokens, tool_state=args.tool_state)
     table = markdown_table(args.data, summary)
     colour = sys.stdout.isatty()
     shown = [(t, p) for p, g in zip(problems, groups) for t in g][: args.show]

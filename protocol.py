@@ -4,7 +4,8 @@ The model reasons, calls a Python tool with a JSON `<tool_call>`, reads the resu
 user turn, and finally answers in `<answer> ... \\boxed{} ... </answer>`. This module holds the text of that
 protocol and the record of one rollout; it runs nothing:
 
-    render_prompt(tokenizer, problem)        -> prompt_ids (the system prompt of paper Figure 3, the tool schema)
+    render_prompt(tokenizer, problem)        -> prompt_ids (the system prompt of paper Figure 3, the tool schema;
+                                                a stateful tool_state adds one line naming it)
     encode_tool_response(tokenizer, text)    -> the inserted ids "<|im_end|> user <tool_response> ... assistant"
     Trajectory(prompt_ids, [Segment(ids, loss_mask, logprobs), ...], finish_reason, tool statistics)
     count_answer_blocks(model_text)          -> the answer tags that GRPO-RoC's format penalty counts
@@ -73,17 +74,33 @@ TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 
-def system_message() -> str:
-    return SYSTEM_PROMPT + TOOLS_BLOCK
+# The tool's state across calls (sandbox.py's tool_state): the paper's tool is stateless and its prompt says nothing
+# about state; a stateful tool is named in one line at the end of the system message, so that a stateful run is not
+# a stateless prompt with a surprise.
+TOOL_STATE_LINES = {
+    "stateless": "",
+    "replay": ("\nThe Python tool keeps state: variables, imports and functions from earlier successful calls are "
+               "available in later calls (earlier calls are run again, silently, before each new one); a call that "
+               "fails is rolled back."),
+    "persistent": ("\nThe Python tool keeps state: variables, imports, functions and files from earlier successful "
+                   "calls are available in later calls (one Python session per conversation); a call that fails is "
+                   "rolled back."),
+}
+
+
+def system_message(tool_state: str = "stateless") -> str:
+    if tool_state not in TOOL_STATE_LINES:
+        raise ValueError(f"tool_state must be one of {', '.join(TOOL_STATE_LINES)}, not {tool_state!r}")
+    return SYSTEM_PROMPT + TOOLS_BLOCK + TOOL_STATE_LINES[tool_state]
 
 
 def user_message(problem: str) -> str:
     return USER_PREFIX + problem
 
 
-def prompt_text(problem: str) -> str:
+def prompt_text(problem: str, tool_state: str = "stateless") -> str:
     """The ChatML text the model sees before its first token (what `apply_chat_template` renders)."""
-    return (f"{IM_START}system\n{system_message()}{IM_END}\n"
+    return (f"{IM_START}system\n{system_message(tool_state)}{IM_END}\n"
             f"{IM_START}user\n{user_message(problem)}{IM_END}\n"
             f"{IM_START}assistant\n")
 
@@ -115,8 +132,8 @@ def encode_tool_response(tokenizer, response: str) -> list[int]:
         encode(tokenizer, TOOL_RESPONSE_CLOSE)
 
 
-def render_prompt(tokenizer, problem: str) -> list[int]:
-    return encode(tokenizer, prompt_text(problem))
+def render_prompt(tokenizer, problem: str, tool_state: str = "stateless") -> list[int]:
+    return encode(tokenizer, prompt_text(problem, tool_state))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -102,7 +102,8 @@ def rollout_config(cfg: Config, temperature: float | None = None, max_turns: int
     return scheduler.RolloutConfig(max_turns=max_turns or cfg.max_turns, max_response_tokens=cfg.max_response_tokens,
                                    temperature=temperature if temperature is not None else cfg.temperature,
                                    top_p=cfg.top_p, tool_timeout_s=cfg.tool_timeout_s,
-                                   deterministic=cfg.deterministic, chunk_tokens=cfg.chunk_tokens)
+                                   deterministic=cfg.deterministic, chunk_tokens=cfg.chunk_tokens,
+                                   tool_state=cfg.tool_state)
 
 
 def rollout_seed(use: str, seed: int, step: int = 0, round_: int = 0) -> int:
@@ -514,7 +515,7 @@ def engine_kv_tokens(cfg: Config, tokenizer) -> int:
     The engine's default, 65,536, held only ~51 of 64 rows with the cpu preset's 768-token budget (stages 2-3)."""
     import scheduler
 
-    prompt = len(scheduler.render_prompt(tokenizer, "")) + QUESTION_TOKENS
+    prompt = len(scheduler.render_prompt(tokenizer, "", cfg.tool_state)) + QUESTION_TOKENS
     return cfg.engine_batch * (prompt + cfg.max_response_tokens)
 
 
@@ -586,10 +587,14 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
             cap = {"kv_capacity_tokens": engine_kv_tokens(cfg, tokenizer)} if device == "cpu" else {}
             engines = [scheduler.TransformersEngine(engine_model, tokenizer, max_batch=cfg.engine_batch,
                                                     device=device, **cap)]
-        pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s, isolation=cfg.sandbox_isolation)
+        pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s, isolation=cfg.sandbox_isolation,
+                                   max_sessions=sandbox.sessions_that_fit() if cfg.tool_state == "persistent" else 0)
         loop.run_until_complete(pool.start())  # refuses to start without namespaces unless isolation is "none"
         if pool.isolation["missing"]:
             log(f"WARNING: sandbox isolation {pool.mode}: missing {'; '.join(pool.isolation['missing'])}")
+        if cfg.tool_state != "stateless":
+            log(f"tool_state {cfg.tool_state}" + (f": at most {pool.config.max_sessions} live Python sessions, "
+                f"{pool.config.session_memory_mb} MB each (docs/sandbox.md)" if pool.config.max_sessions else ""))
     accelerator = None
     if device == "cuda" and DIST.world == 1:  # (FSDP's mixed-precision policy does this under torchrun)
         from accelerate import Accelerator

@@ -44,7 +44,11 @@ pid_max in its PID namespace (300 + max_processes + 3, Linux 6.14+). Its memory 
 where cgroups are writable, by the worker's cgroup memory limit, which counts all its processes together with its
 /tmp (a tmpfs) and memfds. Every call has oom_score_adj 1000 (its workers 500): when memory runs out anywhere, the
 kernel kills a call first, before the trainer. docs/sandbox.md has the table and the measured bombs.
-SandboxSession adds optional state.
+
+The tool's state across a trajectory's calls (tool_state; pool.session(tool_state) gives a trajectory its tool):
+stateless (the paper's, the default: the pool itself), replay (ReplaySession: earlier successful calls rerun in
+each call's fork) or persistent (PersistentSession: a live session in the worker, sandbox_state.py; each call a
+fork of the last good state, a failed call rolled back). docs/sandbox.md, "Persistence and rollback".
 
 Run `python sandbox.py` for a small demonstration.
 """
@@ -52,10 +56,11 @@ Run `python sandbox.py` for a small demonstration.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import itertools
 import json
 import os
-import queue
 import select
 import signal
 import subprocess
@@ -63,7 +68,7 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Sequence
 
 import sandbox_worker
@@ -92,6 +97,7 @@ class ExecResult:
     stderr: str  # the traceback shows the user's frames only
     exit_code: int | None  # process exit code; -N when killed by signal N; None when we killed it or it never ran
     duration_s: float  # wall time of the call inside the sandbox
+    rolled_back: bool = False  # a stateful session's call whose effects were undone (tool_state replay/persistent)
 
 
 @dataclass
@@ -115,6 +121,10 @@ class SandboxConfig:
     isolation: str = field(default_factory=lambda: os.environ.get(ISOLATION_ENV, "auto"))
     cgroup: bool = True  # a cgroup (v2, else v1) with memory and pids limits per worker, where cgroups are writable
     preload: tuple[str, ...] = ("numpy", "sympy")
+    # persistent Python sessions (tool_state="persistent", sandbox_state.py): at most this many live at once in
+    # the pool (0: none; more are refused), each state at most session_memory_mb of memory of its own
+    max_sessions: int = 0
+    session_memory_mb: int = 128  # (a session after four sympy cells held 13 MB of its own: docs/sandbox.md)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -171,8 +181,13 @@ def format_tool_response(result: ExecResult, max_chars: int = 4096) -> str:
         parts.append(f"stdout: {cut_middle(result.stdout, max_chars)}")
     if result.stderr:
         parts.append(f"stderr: {cut_middle(result.stderr, max_chars)}")
+    if result.rolled_back:
+        parts.append(ROLLED_BACK)
     parts.append(f"execution time: {result.duration_s:.2f}s")
     return "\n".join(parts)
+
+
+ROLLED_BACK = "state: rolled back (this call's effects on variables and files were undone)"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -307,6 +322,28 @@ class Worker:
     isolation: dict
     calls: int = 0
     cgroup: dict | None = None
+    launch: int = 0  # which start of the pool's workers this is: a persistent session lives in exactly one
+
+
+class Inbox:
+    """The handler threads' requests: any worker takes a stateless call; a persistent session's calls go to the
+    worker that holds it. None (one per thread) tells a thread to stop."""
+
+    def __init__(self, workers: int):
+        self._ready = threading.Condition()
+        self._shared: collections.deque = collections.deque()
+        self._own = [collections.deque() for _ in range(workers)]
+
+    def put(self, item, worker: int | None = None) -> None:
+        with self._ready:
+            (self._shared if worker is None else self._own[worker]).append(item)
+            self._ready.notify_all()
+
+    def get(self, worker: int):
+        with self._ready:
+            while not (self._own[worker] or self._shared):
+                self._ready.wait()
+            return (self._own[worker] or self._shared).popleft()
 
 
 class SandboxPool:
@@ -326,10 +363,13 @@ class SandboxPool:
         self.workers = workers or len(os.sched_getaffinity(0))
         self.isolation: dict = {}  # what the first worker has in place (kind, namespaces, limits, missing ...)
         self._cgroups: dict[int, dict] = {}  # worker pid -> its cgroup
+        self._launch_of: dict[int, int] = {}  # worker pid -> its launch number
         self._launches = 0
         self.stats = {"calls": 0, "restarts": 0, "recycled": 0, "huge_pages_mb": 0}
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue = Inbox(self.workers)
         self._threads: list[threading.Thread] = []
+        self._sessions: dict[str, list] = {}  # persistent session id -> [worker index, its launch (None: not yet)]
+        self._session_ids = itertools.count()
         self._worker_pids: set[int] = set()
         self._lock = threading.Lock()
         self._closing = False
@@ -347,7 +387,7 @@ class SandboxPool:
         if self._threads:
             return
         self._closing = False
-        self._queue = queue.SimpleQueue()  # a fresh queue: nothing left over from an earlier start() / close()
+        self._queue = Inbox(self.workers)  # a fresh queue: nothing left over from an earlier start() / close()
         ready = [concurrent.futures.Future() for _ in range(self.workers)]
         for index in range(self.workers):
             thread = threading.Thread(target=self._handle_worker, args=(index, ready[index]), daemon=True,
@@ -378,8 +418,8 @@ class SandboxPool:
     async def close(self) -> None:
         """Stop every worker; afterwards no process and no temporary directory of the pool is left."""
         self._closing = True
-        for _ in self._threads:
-            self._queue.put(None)
+        for index in range(len(self._threads)):
+            self._queue.put(None, index)
         threads, self._threads = self._threads, []
         await asyncio.to_thread(lambda: [t.join() for t in threads])
 
@@ -390,18 +430,73 @@ class SandboxPool:
     # -- calls
 
     async def run(self, code: str, stdin: str = "", timeout_s: float | None = None,
-                  history: Sequence[tuple[str, str]] = ()) -> ExecResult:
-        """Run `code` with `stdin` in a fresh sandboxed process. `history` is for SandboxSession only."""
+                  history: Sequence[tuple[str, str]] = (), session: str | None = None) -> ExecResult:
+        """Run `code` with `stdin` in a fresh sandboxed process. `history` is for ReplaySession, `session` for
+        PersistentSession (use pool.session(tool_state) for both)."""
         rejection = self._check_input(code, stdin, history)
         if rejection:
-            return ExecResult("rejected", "", rejection, None, 0.0)
+            return ExecResult("rejected", "", rejection, None, 0.0, rolled_back=session is not None)
         if not self._threads:
             raise RuntimeError("SandboxPool is not started: use `async with SandboxPool() as pool` or start()")
         request = {"code": code, "stdin": stdin, "timeout_s": float(timeout_s or self.config.timeout_s),
                    "history": [list(h) for h in history]}
+        worker = None
+        if session is not None:
+            worker, refusal = self._place_session(session)
+            if refusal:
+                return ExecResult("rejected", "", refusal, None, 0.0, rolled_back=True)
+            request["session"] = session
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((request, future))
+        self._queue.put((request, future), worker)
         return await asyncio.wrap_future(future)  # cancelling the await cancels a call that has not started
+
+    def session(self, tool_state: str = "persistent"):
+        """The tool of one trajectory: the pool itself (stateless), a ReplaySession or a PersistentSession. Every
+        one has `await run(code, stdin, timeout_s)` and `await close()`."""
+        if tool_state not in TOOL_STATES:
+            raise ValueError(f"tool_state must be one of {', '.join(TOOL_STATES)}, not {tool_state!r}")
+        return {"stateless": StatelessTool, "replay": ReplaySession, "persistent": PersistentSession}[tool_state](self)
+
+    def _place_session(self, sid: str) -> tuple[int | None, str | None]:
+        """(the worker holding persistent session `sid`, or None and why it is refused). A new session goes to
+        the worker holding the fewest."""
+        with self._lock:
+            if sid in self._sessions:
+                return self._sessions[sid][0], None
+            if len(self._sessions) >= self.config.max_sessions:
+                return None, (f"sandbox: refused: {len(self._sessions)} persistent Python sessions are live, the "
+                              f"pool's limit (max_sessions={self.config.max_sessions}); the call was not run. "
+                              "Raise max_sessions (memory allowing: session_memory_mb each) or run fewer "
+                              "trajectories at once")
+            held = [0] * self.workers
+            for placed in self._sessions.values():
+                held[placed[0]] += 1
+            index = held.index(min(held))
+            self._sessions[sid] = [index, None]
+            return index, None
+
+    async def _close_session(self, sid: str) -> None:
+        with self._lock:
+            placed = self._sessions.get(sid)
+        if placed is None or not self._threads:
+            with self._lock:
+                self._sessions.pop(sid, None)
+            return
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put(({"session": sid, "op": "close"}, future), placed[0])
+        try:
+            await asyncio.wrap_future(future)
+        finally:
+            with self._lock:
+                self._sessions.pop(sid, None)
+
+    def _session_namespace(self, sid: str) -> int | None:
+        with self._lock:
+            placed = self._sessions.get(sid, [])
+            return placed[2] if len(placed) > 2 else None
+
+    def sessions_per_worker(self) -> int:
+        return -(-self.config.max_sessions // self.workers)
 
     def _check_input(self, code: str, stdin: str, history: Sequence[tuple[str, str]]) -> str | None:
         """Why the call must not run ("rejected"), or None. A session's history counts toward the size limits."""
@@ -431,7 +526,7 @@ class SandboxPool:
             ready.set_exception(e)
             return
         try:
-            while (item := self._queue.get()) is not None:
+            while (item := self._queue.get(index)) is not None:
                 request, future = item
                 if not future.set_running_or_notify_cancel():
                     continue  # the caller gave up before the call started
@@ -444,6 +539,9 @@ class SandboxPool:
                     except Exception as e:  # noqa: BLE001
                         future.set_result(ExecResult("crashed", "", f"sandbox worker could not start: {e}", None, 0))
                         continue
+                if "session" in request and not self._session_on(worker, request):
+                    future.set_result(ExecResult("crashed", "", SESSION_LOST, None, 0.0, rolled_back=True))
+                    continue
                 try:
                     result, worker_ok = self._call(worker, request)
                 except Exception as e:  # noqa: BLE001 - a bug of ours: the caller hears of it, the thread lives
@@ -458,7 +556,7 @@ class SandboxPool:
                         self.stats["restarts"] += 1
                     continue
                 # Recycling: a fresh worker boots in the background while the old one keeps serving.
-                if worker.calls >= self.config.recycle_after and spare is None:
+                if worker.calls >= self.config.recycle_after and spare is None and not self._sessions_on(index):
                     spare = self._launch(index)
                 if spare is not None and select.select([spare.stdout], [], [], 0)[0]:
                     try:
@@ -479,28 +577,65 @@ class SandboxPool:
     def _call(self, worker: Worker, request: dict) -> tuple[ExecResult, bool]:
         """Send one request and wait for its answer. Returns (result, whether the worker is still usable)."""
         worker.calls += 1
-        deadline = time.monotonic() + request["timeout_s"] + 10.0  # the worker enforces the timeout; this is a
+        deadline = time.monotonic() + request.get("timeout_s", 0.0) + 10.0  # the worker enforces the timeout; this is a
         try:  # safety net against a supervisor that hangs
             send_message(worker.proc.stdin.fileno(), request)
             answer = read_message(worker.proc.stdout.fileno(), deadline)
         except TimeoutError:
             return ExecResult("timeout", "", "sandbox worker stopped responding and was replaced", None,
-                              request["timeout_s"]), False
+                              request.get("timeout_s", 0.0)), False
         except OSError:  # broken pipe: the worker is gone
             answer = None
         if answer is None:
-            return ExecResult("crashed", "", "sandbox worker died and was replaced", None, 0.0), False
+            with self._lock:
+                if request.get("session") in self._sessions:
+                    self._sessions[request["session"]][1] = None  # it died with the worker: its next call starts anew
+            lost = "; " + SESSION_LOST if "session" in request else ""
+            return ExecResult("crashed", "", "sandbox worker died and was replaced" + lost, None, 0.0,
+                              rolled_back="session" in request), False
+        if "session" in request:
+            namespace = answer.pop("namespace", None)
+            with self._lock:
+                placed = self._sessions.get(request["session"])
+                if placed is not None:
+                    placed[2:] = [namespace]
+                    if answer.pop("session_lost", False) or answer.pop("closed", False):
+                        placed[1] = None  # the next call starts a new session
+            if "status" not in answer:
+                return ExecResult("ok", "", "", 0, 0.0), True
         return ExecResult(**answer), True
 
+    def _session_on(self, worker: Worker, request: dict) -> bool:
+        """Whether this worker holds the request's session (or may open it): False when the worker that held it
+        has died since, and the session with it."""
+        with self._lock:
+            placed = self._sessions.get(request["session"])
+            if placed is None:  # closed meanwhile, or a close request for a session that never ran
+                return request.get("op") == "close" or False
+            if placed[1] is None:
+                placed[1] = worker.launch
+            if placed[1] != worker.launch:
+                placed[1] = None  # lost; its next call starts a new session on this worker
+                return request.get("op") == "close"
+            return True
+
+    def _sessions_on(self, index: int) -> bool:
+        with self._lock:
+            return any(placed[0] == index for placed in self._sessions.values())
+
     def _launch(self, index: int) -> subprocess.Popen:
-        config = {**asdict(self.config), "index": index, "parent_pid": os.getpid()}
+        # a live session holds two processes (its init and its state), and a third while a call commits
+        session_tasks = 2 * self.sessions_per_worker() + 1 if self.config.max_sessions else 0
+        config = {**asdict(self.config), "index": index, "parent_pid": os.getpid(), "session_tasks": session_tasks}
         cgroup, why = None, "switched off (cgroup=False)"
+        with self._lock:
+            self._launches += 1
+            launch = self._launches
         if self.config.cgroup:
-            with self._lock:
-                self._launches += 1
-                name = f"{CGROUP_PREFIX}-{os.getpid()}-{index}-{self._launches}"
+            name = f"{CGROUP_PREFIX}-{os.getpid()}-{index}-{launch}"
             # until the worker is ready: room for its start-up; then its own size + memory_mb (_await_ready)
-            cgroup, why = make_worker_cgroup(name, (self.config.memory_mb + 1024) << 20, self.config.max_processes + 2)
+            cgroup, why = make_worker_cgroup(name, (self.config.memory_mb + 1024) << 20,
+                                             self.config.max_processes + 2 + session_tasks)
         config["cgroup_paths"], config["cgroup_absent"] = cgroup, why
         worker_script = os.path.abspath(sandbox_worker.__file__)
         proc = subprocess.Popen([sys.executable, "-I", "-B", worker_script, "--worker", json.dumps(config)],
@@ -508,6 +643,7 @@ class SandboxPool:
                                 start_new_session=True)  # no terminal signals: the pool decides when workers end
         with self._lock:
             self._worker_pids.add(proc.pid)
+            self._launch_of[proc.pid] = launch
             if cgroup:
                 self._cgroups[proc.pid] = cgroup
         return proc
@@ -526,10 +662,13 @@ class SandboxPool:
         self.stats["huge_pages_mb"] = hello["huge_pages_mb"]
         with self._lock:
             cgroup = self._cgroups.get(proc.pid)
-        if cgroup:  # the worker's own memory is charged now: the calls get memory_mb on top of it
-            with open(cgroup["usage"]) as f:
-                write_file(cgroup["limit"], str(int(f.read()) + (self.config.memory_mb << 20)))
-        return Worker(proc, hello["isolation"], cgroup=cgroup)
+        if cgroup:  # the worker's own memory is charged now: the calls get memory_mb on top of it (and the
+            sessions = self.sessions_per_worker() * self.config.session_memory_mb if self.config.max_sessions else 0
+            with open(cgroup["usage"]) as f:  # sessions it may hold, session_memory_mb each)
+                write_file(cgroup["limit"], str(int(f.read()) + ((self.config.memory_mb + sessions) << 20)))
+        with self._lock:
+            launch = self._launch_of.get(proc.pid, 0)
+        return Worker(proc, hello["isolation"], cgroup=cgroup, launch=launch)
 
     def _start_worker(self, index: int) -> Worker:
         return self._await_ready(self._launch(index), time.monotonic() + self.config.startup_timeout_s)
@@ -549,6 +688,7 @@ class SandboxPool:
             proc.wait()
         with self._lock:
             self._worker_pids.discard(proc.pid)
+            self._launch_of.pop(proc.pid, None)
             cgroup = self._cgroups.pop(proc.pid, None)
         if cgroup:
             remove_worker_cgroup(cgroup)
@@ -565,25 +705,86 @@ def refusal_message(iso: dict, lacking: list[str]) -> str:
             f"reach the network and read what its uid can read - accept it with {WEAKER_OPTION}.")
 
 
-class SandboxSession:
-    """Optional stateful tool (off by default: the paper's tool is stateless, each call a fresh process).
+# ---------------------------------------------------------------------------------------------------------------
+# The tool's state across a trajectory's calls: tool_state = stateless (the paper's) | replay | persistent
 
-    Later calls see the variables of earlier successful ones. As the released recipe's SimJupyterTool does, every
-    call replays the session's earlier successful calls (their output thrown away) in its own fresh fork before
-    running the new code: a failed call rolls back by construction and no process is held between turns. The
-    price: replay time grows with the history and counts toward the call's timeout, and replayed code that draws
-    random numbers draws new ones.
-    """
+TOOL_STATES = ("stateless", "replay", "persistent")
+SESSION_LOST = ("the Python session's state was lost (the sandbox worker holding it died); the next call starts "
+                "an empty session")
+
+
+def sessions_that_fit(session_memory_mb: int = SandboxConfig.session_memory_mb, share: float = 0.5) -> int:
+    """How many persistent sessions of at most session_memory_mb each fit in `share` of the memory available now
+    (MemAvailable): the trainer's and eval.py's max_sessions, so that live sessions can never drive the machine
+    into swap; past it, a new session is refused."""
+    with open("/proc/meminfo") as f:
+        available_kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    return max(1, int(share * available_kb / 1024 / session_memory_mb))
+
+
+class StatelessTool:
+    """The paper's tool: every call a fresh process, nothing kept."""
 
     def __init__(self, pool: SandboxPool):
         self.pool = pool
+
+    async def run(self, code: str, stdin: str = "", timeout_s: float | None = None) -> ExecResult:
+        return await self.pool.run(code, stdin, timeout_s)
+
+    async def close(self) -> None:
+        pass
+
+
+class ReplaySession(StatelessTool):
+    """tool_state="replay": later calls see the variables of earlier successful ones. As the released recipe's
+    SimJupyterTool does, every call replays the session's earlier successful calls (their output thrown away) in
+    its own fresh fork before running the new code: a failed call rolls back by construction and no process is
+    held between turns. The price: replay time grows with the history and counts toward the call's timeout, and
+    replayed code that draws random numbers or writes files does it again, differently."""
+
+    def __init__(self, pool: SandboxPool):
+        super().__init__(pool)
         self.history: list[tuple[str, str]] = []  # (code, stdin) of every successful call so far
 
     async def run(self, code: str, stdin: str = "", timeout_s: float | None = None) -> ExecResult:
         result = await self.pool.run(code, stdin, timeout_s, history=self.history)
         if result.status == "ok":
             self.history.append((code, stdin))
+        elif result.status != "rejected" or self.history:
+            result = replace(result, rolled_back=True)
         return result
+
+
+SandboxSession = ReplaySession  # its earlier name
+
+
+class PersistentSession(StatelessTool):
+    """tool_state="persistent": a process that holds the session's interpreter state between calls, inside the
+    worker's isolation, in PID and mount namespaces of its own (sandbox_state.py). Each call runs in a fork of
+    the last good state and becomes the state only if it succeeds; otherwise the session is exactly as before
+    (its files and open files' positions restored) and the result says rolled_back. No replay: a call's cost does
+    not grow with the history. Close it (or close the pool) to end its processes."""
+
+    def __init__(self, pool: SandboxPool):
+        super().__init__(pool)
+        self.id = f"s{os.getpid()}-{next(pool._session_ids)}"
+        self.namespace: int | None = None  # inode of its PID namespace, once it runs (tests count its processes)
+
+    async def run(self, code: str, stdin: str = "", timeout_s: float | None = None) -> ExecResult:
+        result = await self.pool.run(code, stdin, timeout_s, session=self.id)
+        if self.namespace is None and result.status != "rejected":
+            self.namespace = self.pool._session_namespace(self.id)
+        return result
+
+    async def close(self) -> None:
+        await self.pool._close_session(self.id)
+        self.namespace = None
+
+    async def __aenter__(self) -> PersistentSession:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -304,7 +304,7 @@ def missing_isolation(iso: dict) -> list[str]:
 def process_limit(config: dict, iso: dict) -> int | None:
     """RLIMIT_NPROC for a call, or None where it cannot bound one. The kernel counts processes and threads per
     user, and since Linux 5.14 per user namespace; it exempts uid 0 (the host's root) altogether."""
-    n = config["max_processes"]
+    n = config["max_processes"] + config.get("extra_tasks", 0)  # a persistent session's: + its fellow sessions'
     if iso["host_uid"] == 0:  # root drops to a uid of this worker's own; forced "userns" stays uid 0: exempt
         return n if iso["kind"] != "userns" else None
     if iso["kind"] == "userns" and kernel_at_least(5, 14):

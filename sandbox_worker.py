@@ -13,6 +13,9 @@ in length-prefixed JSON over its stdin and stdout (send_message / read_message, 
     supervise_call()       Z: drains C's stdout/stderr (HeadTail), enforces the timeout and the output cap, kills
                               every process of the call, classify() -> {"status", "stdout", "stderr", ...}
 
+A request naming a persistent session (tool_state="persistent") goes to serve_session() and sandbox_state.py
+instead; the fork waiting for the next stateless call keeps waiting.
+
 The reply becomes an ExecResult in the pool's handler thread (sandbox.py). This module imports only the standard
 library and sandbox_isolation.py, never sandbox.py: a worker needs neither asyncio nor the pool.
 """
@@ -43,10 +46,12 @@ from typing import Sequence
 
 if __name__ == "__main__":  # `python -I` leaves this file's folder off sys.path: on it for one import, then off
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (every sys.path entry is bound into the root)
+    sys.modules["sandbox_worker"] = sys.modules[__name__]  # sandbox_state imports this module by its name
 from sandbox_isolation import (MS_NODEV, MS_NOSUID, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, call_limits,
                                drop_privileges, enter_sandbox_root, libc, limit_cpu_time, limit_pid_namespace,
                                missing_isolation, mount, prctl, remap_interpreter, sandbox_uid, set_limits,
                                set_oom_score_adj, set_up_isolation, umount)
+import sandbox_state  # noqa: E402 - persistent sessions (tool_state="persistent")
 if __name__ == "__main__":
     del sys.path[0]
 
@@ -185,12 +190,16 @@ def run_cell(code: str, main: types.ModuleType) -> tuple[int, str | None]:
 
 
 def replay_history(history: Sequence[tuple[str, str]], main: types.ModuleType) -> None:
-    """Stateful sessions only: rerun the session's earlier successful cells, their output thrown away."""
-    streams = sys.stdin, sys.stdout, sys.stderr
+    """tool_state="replay" only: rerun the session's earlier successful cells, their output thrown away (and the
+    streams they closed open again: fds 1 and 2 are put back after the replay)."""
+    streams, fds = (sys.stdin, sys.stdout, sys.stderr), (os.dup(1), os.dup(2))
     for code, stdin in history:
         sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin), io.StringIO(), io.StringIO()
         run_cell(code, main)
     sys.stdin, sys.stdout, sys.stderr = streams
+    for target, fd in enumerate(fds, start=1):
+        os.dup2(fd, target)
+        os.close(fd)
 
 
 def child_main(config: dict, iso: dict, fds: tuple[int, int, int, int], scratch: str) -> None:
@@ -321,9 +330,11 @@ def fork_call(config: dict, iso: dict, scratch_root: str | None) -> Call:
     return Call(pid, os.pidfd_open(pid), req_w, out_r, err_r, res_r)
 
 
-def kill_everything_but_me(call: Call, iso: dict) -> None:
-    """SIGKILL the call and every process it started (daemons and setsid children included)."""
-    if iso["pid_namespace"]:
+def kill_everything_but_me(call: Call, iso: dict, keep: frozenset = frozenset()) -> None:
+    """SIGKILL the call and every process it started (daemons and setsid children included). `keep`: the inits
+    of live persistent sessions (sandbox_state.py), children of ours that must live on: then the namespace-wide
+    kill is out, and the call's processes are found as where there is no PID namespace."""
+    if iso["pid_namespace"] and not keep:
         assert os.getpid() == 1  # kill(-1) from a namespace's init reaches exactly that namespace
         try:
             os.kill(-1, signal.SIGKILL)
@@ -343,7 +354,7 @@ def kill_everything_but_me(call: Call, iso: dict) -> None:
         except ChildProcessError:
             pass
     for _ in range(100):
-        others = [child for child in children_of(os.getpid()) if child != call.pid]
+        others = [child for child in children_of(os.getpid()) if child != call.pid and child not in keep]
         if not others:
             break
         for child in others:
@@ -413,7 +424,7 @@ def exit_status_if_exiting(pid: int) -> int | None:
     return int(fields[49]) if int(fields[6]) & PF_EXITING else None  # fields 52 (exit_code) and 9 (flags)
 
 
-def supervise_call(call: Call, request: dict, config: dict, iso: dict) -> dict:
+def supervise_call(call: Call, request: dict, config: dict, iso: dict, keep: frozenset = frozenset()) -> dict:
     """Z: hand the code to the waiting fork, collect its output, enforce time and output caps, kill the rest."""
     out, err, res = HeadTail(config["max_output_chars"]), HeadTail(config["max_output_chars"]), HeadTail(4096)
     oom_before = oom_kills(iso.get("oom_fd"))
@@ -460,7 +471,7 @@ def supervise_call(call: Call, request: dict, config: dict, iso: dict) -> dict:
     duration = time.monotonic() - start
 
     # Phase 2: nothing of the call survives it; read what is left in the pipes (their writers are dead now).
-    kill_everything_but_me(call, iso)
+    kill_everything_but_me(call, iso, keep)
     grace = time.monotonic() + 2.0
     while streams and time.monotonic() < grace:
         pump(grace - time.monotonic(), watch_exit=False)
@@ -485,12 +496,14 @@ def supervise_call(call: Call, request: dict, config: dict, iso: dict) -> dict:
             "duration_s": duration}
 
 
-def finish_call(call: Call, iso: dict) -> None:
+def finish_call(call: Call, iso: dict, sessions: bool = False) -> None:
     """After the reply has gone: reap the call and everything it left (all already SIGKILLed)."""
     if not call.reaped:
         os.waitpid(call.pid, 0)
     os.close(call.pidfd)
-    reap_all(block=True)  # everything left is SIGKILLed: until reaped, it still counts toward RLIMIT_NPROC / pids
+    # everything left is SIGKILLed: until reaped, it still counts toward RLIMIT_NPROC / pids (with live sessions
+    # their inits are our children too, and the call's processes were reaped one by one)
+    reap_all(block=not sessions)
 
 
 def serve(config: dict, iso: dict) -> None:
@@ -498,24 +511,52 @@ def serve(config: dict, iso: dict) -> None:
     scratch_root = None if iso["filesystem"] else tempfile.mkdtemp(prefix="rstar2-sandbox-")
     if scratch_root:
         os.chmod(scratch_root, 0o711)  # the dropped uid may pass through to its scratch directory (TMPDIR)
+    sessions: dict[str, sandbox_state.Session] = {}  # persistent sessions living in this worker, by id
     try:
         while True:
             call = fork_call(config, iso, scratch_root)
-            request = read_message(0)
+            while (request := read_message(0)) is not None and "session" in request:  # the fork keeps waiting
+                send_message(1, serve_session(sessions, request, config, iso))
+            keep = frozenset(s.init_pid for s in sessions.values())
             if request is None:
-                kill_everything_but_me(call, iso)
+                kill_everything_but_me(call, iso, keep)
                 return
             try:
-                response = supervise_call(call, request, config, iso)
+                response = supervise_call(call, request, config, iso, keep)
             except Exception as e:  # noqa: BLE001 - the supervisor failing is reported, not fatal
-                kill_everything_but_me(call, iso)
+                kill_everything_but_me(call, iso, keep)
                 response = {"status": "crashed", "stdout": "", "stderr": f"sandbox internal error: {e!r}",
                             "exit_code": None, "duration_s": 0.0}
             send_message(1, response)
-            finish_call(call, iso)
+            finish_call(call, iso, sessions=bool(keep))
     finally:
         if scratch_root:
             shutil.rmtree(scratch_root, ignore_errors=True)
+
+
+def serve_session(sessions: dict, request: dict, config: dict, iso: dict) -> dict:
+    """Z: a request for a persistent session (sandbox_state.py): open it on its first call, run a call, close it."""
+    sid = request["session"]
+    if request.get("op") == "close":
+        sandbox_state.close_session(sessions.pop(sid, None))
+        return {"closed": True}
+    failure = {"stdout": "", "exit_code": None, "duration_s": 0.0, "rolled_back": True, "session_lost": True}
+    if sid not in sessions:
+        missing = sandbox_state.requirements_missing(iso)
+        if missing:
+            return {**failure, "status": "rejected", "stderr": missing}
+        try:
+            sessions[sid] = sandbox_state.open_session(config, iso)
+        except Exception as e:  # noqa: BLE001
+            return {**failure, "status": "crashed", "stderr": f"sandbox: the Python session could not start: {e}"}
+    try:
+        reply = sandbox_state.session_call(sessions[sid], request, config, iso)
+    except Exception as e:  # noqa: BLE001 - the supervisor failing is reported, not fatal; the session ends
+        reply = {**failure, "status": "crashed", "stderr": f"sandbox internal error: {e!r}"}
+    if reply["session_lost"]:
+        sandbox_state.close_session(sessions.pop(sid, None))
+    reap_all(block=False)
+    return reply
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -592,7 +633,8 @@ def worker_main(config: dict) -> None:
     if iso["filesystem"]:
         enter_sandbox_root()
         remap_interpreter(iso.get("interpreter_in_tmp", {}))
-    iso["pid_max"] = limit_pid_namespace(config["max_processes"]) if iso["pid_namespace"] else None
+    iso["pid_max"] = (limit_pid_namespace(config["max_processes"] + config.get("session_tasks", 0))
+                      if iso["pid_namespace"] else None)
     iso["missing"] = missing_isolation(iso)
     iso["limits"] = call_limits(config, iso)
     failed = []

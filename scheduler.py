@@ -149,6 +149,10 @@ class RolloutConfig:
     # At most this many requests held per engine (0: no cap). Past its saturation point an engine's throughput
     # stays flat while each sequence slows down, so extra sequences only stretch the longest trajectories.
     max_requests_per_engine: int = 0
+    # The tool's state across a trajectory's calls (sandbox.py): stateless (the paper's: each call a fresh process)
+    # | replay (earlier successful calls rerun before each call) | persistent (one live Python session per
+    # trajectory, failed calls rolled back). A stateful tool is named in the prompt (protocol.TOOL_STATE_LINES).
+    tool_state: str = "stateless"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -271,6 +275,26 @@ class Scheduler:
         self.dispatch()
 
 
+def session_slots(pool, cfg: RolloutConfig) -> asyncio.Semaphore | None:
+    """With persistent sessions, at most the pool's max_sessions trajectories run at once (the others wait to
+    start): past it the pool would refuse their sessions. None: no bound."""
+    limit = getattr(getattr(pool, "config", None), "max_sessions", 0) if cfg.tool_state == "persistent" else 0
+    return asyncio.Semaphore(limit) if limit > 0 else None
+
+
+def open_tool(pool, tool_state: str):
+    """A trajectory's tool: the pool itself for the stateless tool, else a session of it (pool.session)."""
+    return pool if tool_state == "stateless" else pool.session(tool_state)
+
+
+async def close_tool(tool) -> None:
+    """End a trajectory's session (its processes go now); a failure to close ends nothing else."""
+    try:
+        await tool.close()
+    except Exception:  # noqa: BLE001 - the pool is closing, or the worker died with the session
+        pass
+
+
 async def run_tool(pool, call: ToolCall, cfg: RolloutConfig) -> tuple[str, str]:
     """Run one tool call in the sandbox pool: (the text inside <tool_response>, status). A malformed call
     returns its error text without running anything."""
@@ -334,6 +358,7 @@ async def rollout_one(sched: Scheduler, pool, tokenizer, cfg: RolloutConfig, see
     context = list(prompt_ids)
     model_text = []
     engine = None
+    tool = open_tool(pool, cfg.tool_state)  # this trajectory's tool: its session lives until the trajectory ends
     try:
         for turn in range(cfg.max_turns):
             budget = cfg.max_response_tokens - traj.num_response_tokens
@@ -359,7 +384,7 @@ async def rollout_one(sched: Scheduler, pool, tokenizer, cfg: RolloutConfig, see
                 break
             call = parse_tool_call(text) or ToolCall(
                 None, "", f"Error: the turn ended at {TOOL_CALL_CLOSE} without a matching {TOOL_CALL_OPEN}.")
-            response, status = await run_tool(pool, call, cfg)
+            response, status = await run_tool(tool, call, cfg)
             traj.tool_calls += 1
             traj.tool_errors += status != "ok"
             traj.tool_statuses[status] = traj.tool_statuses.get(status, 0) + 1
@@ -373,6 +398,8 @@ async def rollout_one(sched: Scheduler, pool, tokenizer, cfg: RolloutConfig, see
         traj.finish_reason, traj.error = "error", f"{type(e).__name__}: {e}"
     finally:
         sched.trajectory_done()
+        if tool is not pool:
+            await close_tool(tool)
     traj.response_text = tokenizer.decode(traj.response_ids, skip_special_tokens=False,
                                           clean_up_tokenization_spaces=False)
     traj.model_text = "".join(model_text)
@@ -386,7 +413,7 @@ async def rollout_groups(engines: list, pool, tokenizer, problems: list[tuple[st
     group in sample order. Runs on the caller's event loop (the one the sandbox pool lives on)."""
     from tqdm.auto import tqdm
 
-    prompts = [render_prompt(tokenizer, question) for _, question in problems]
+    prompts = [render_prompt(tokenizer, question, cfg.tool_state) for _, question in problems]
     biggest = max(e.capacity_tokens for e in engines)
     if prompts and max(map(len, prompts)) + cfg.max_response_tokens > biggest:
         raise ValueError(f"a prompt of {max(map(len, prompts))} tokens plus the {cfg.max_response_tokens}-token "
@@ -394,8 +421,17 @@ async def rollout_groups(engines: list, pool, tokenizer, problems: list[tuple[st
     sched = Scheduler(engines, cfg, len(problems), n_per_problem)
     bar = tqdm(total=len(problems) * n_per_problem, desc="rollouts", unit="traj", disable=not progress)
 
+    slots = session_slots(pool, cfg)
+
     async def one(pi: int, si: int) -> Trajectory:
-        traj = await rollout_one(sched, pool, tokenizer, cfg, seed, pi, si, problems[pi][0], prompts[pi])
+        if slots is None:
+            traj = await rollout_one(sched, pool, tokenizer, cfg, seed, pi, si, problems[pi][0], prompts[pi])
+        else:  # a persistent session each: no more trajectories at once than the pool holds sessions
+            sched.busy -= 1  # (waiting for a slot is not running: deterministic waves form without it)
+            sched.dispatch()
+            async with slots:
+                sched.busy += 1
+                traj = await rollout_one(sched, pool, tokenizer, cfg, seed, pi, si, problems[pi][0], prompts[pi])
         bar.update(1)
         return traj
 

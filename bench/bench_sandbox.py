@@ -3,7 +3,9 @@
 The baseline starts a fresh `python -c CODE` per call, as code-judge (the executor behind the released recipe)
 does. Two workloads: a trivial call (`print(1)`, so the figure is the executor's own overhead) and a call that
 imports sympy and factors a number (what model-written math code looks like). Each at 1 and 32 calls in flight.
-Also: the parent's memory across many calls. The last line printed is one JSON object.
+Also: the parent's memory across many calls; the tool's state across calls (tool_state stateless | replay |
+persistent): the latency of a session's 1st, 4th and 15th call (the paper's stage-3 turn budget) and the memory of
+live persistent sessions. The last line printed is one JSON object.
 
     python bench/bench_sandbox.py                # about a minute on 2 quiet cores
     python bench/bench_sandbox.py --quick        # a smoke run
@@ -18,7 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from sandbox import SANDBOX_ENV, SandboxPool  # noqa: E402
+from sandbox import SANDBOX_ENV, TOOL_STATES, SandboxPool  # noqa: E402
 
 TRIVIAL = "print(1)"
 SYMPY = "import sympy\nprint(sympy.factorint(2**64 + 1))"
@@ -72,6 +74,82 @@ async def throughput(run, code, n, in_flight, expect=None):
     return n / (time.perf_counter() - start)
 
 
+# A model's cell: an import, a list, a function (what turns of a math trajectory define), without and with sympy
+# work (cold in every fresh process; a persistent session keeps sympy's caches warm, replay redoes the work)
+CELLS = {
+    "plain": ("import fractions\nvalues{i} = [k * k for k in range(2000)]\n"
+              "def f{i}(n):\n    return sum(values{i}[:n])\nprint(f{i}(10), fractions.Fraction({i} + 1, 7))"),
+    "sympy": ("import sympy\nx{i} = sympy.Symbol('x{i}')\nvalues{i} = [k * k for k in range(2000)]\n"
+              "def f{i}(n):\n    return sum(values{i}[:n])\nprint(f{i}(10), sympy.expand((x{i} + 1) ** 2))"),
+}
+
+
+async def tool_state_latencies(pool, history_lengths, repeats, cell):
+    """Wall time of a session's h-th call (h - 1 successful calls before it), per tool_state and h: p50 and p99
+    over `repeats` sessions; the three tool states take turns, so that other load on the machine hits all alike."""
+    times = {(mode, h): [] for mode in TOOL_STATES for h in history_lengths}
+    for _ in range(repeats):
+        for h in history_lengths:
+            for mode in TOOL_STATES:
+                tool = pool.session(mode)
+                try:
+                    for i in range(h - 1):
+                        assert (await tool.run(cell.format(i=i))).status == "ok"
+                    start = time.perf_counter()
+                    result = await tool.run(cell.format(i=h - 1))
+                    times[mode, h].append(time.perf_counter() - start)
+                    assert result.status == "ok", result
+                finally:
+                    await tool.close()
+    return {f"{mode}_h{h}": {"p50_ms": round(1e3 * statistics.median(t), 2),
+                             "p99_ms": round(1e3 * percentile(t, 0.99), 2)} for (mode, h), t in times.items()}
+
+
+def memory_of(pids):
+    """(Private_Clean + Private_Dirty, Pss) of the processes, in kB: what they hold alone, and their share."""
+    private = pss = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                        private += int(line.split()[1])
+                    elif line.startswith("Pss:"):
+                        pss += int(line.split()[1])
+        except OSError:
+            pass
+    return private, pss
+
+
+def pids_in_namespace(inode):
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}/ns/pid").st_ino == inode:
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+async def session_memory(pool, count):
+    """Memory of `count` live persistent sessions, each after the same 4 cells: its own (private) memory and its
+    proportional share (Pss) per session; sessions per GB of private memory."""
+    sessions = [pool.session("persistent") for _ in range(count)]
+    try:
+        for session in sessions:
+            for i in range(4):
+                assert (await session.run(CELLS["sympy"].format(i=i))).status == "ok"
+        pids = [pid for s in sessions for pid in pids_in_namespace(s.namespace)]
+        private, pss = memory_of(pids)
+    finally:
+        for session in sessions:
+            await session.close()
+    per_session_mb = private / 1024 / count
+    return {"sessions": count, "processes": len(pids), "private_mb_per_session": round(per_session_mb, 2),
+            "pss_mb_per_session": round(pss / 1024 / count, 2), "sessions_per_gb": int(1024 / per_session_mb)}
+
+
 def percentile(values, q):
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
@@ -90,7 +168,7 @@ async def main(args):
 
     # ---- pool
     start = time.perf_counter()
-    async with SandboxPool() as pool:
+    async with SandboxPool(max_sessions=len(TOOL_STATES)) as pool:
         report["pool_start_s"] = round(time.perf_counter() - start, 2)
         report["isolation_missing"] = pool.isolation["missing"]
         run = pool_executor(pool)
@@ -110,6 +188,12 @@ async def main(args):
         report["memory_calls"] = args.memory_calls // 1000 * 1000
         report["parent_rss_growth_kb"] = rss_kb() - before
         report["pool_stats"] = dict(pool.stats)
+
+        # ---- the tool's state across calls: the h-th call of a session, for each tool_state (interleaved)
+        report["tool_states"] = {name: await tool_state_latencies(pool, [1, 4, 15], n(20), cell)
+                                 for name, cell in CELLS.items()}
+    async with SandboxPool(max_sessions=args.sessions) as pool:
+        report["session_memory"] = await session_memory(pool, args.sessions)
 
     # ---- spawn per call
     spawn_lat = await latencies(spawn_executor, TRIVIAL, n(20))
@@ -135,6 +219,7 @@ async def main(args):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a fifth of the calls, for a smoke run")
+    parser.add_argument("--sessions", type=int, default=32, help="live persistent sessions whose memory is measured")
     parser.add_argument("--memory-calls", type=int, default=3000,
                         help="extra trivial calls over which the parent's RSS is watched (10000 in the issue)")
     asyncio.run(main(parser.parse_args()))

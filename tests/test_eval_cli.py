@@ -77,9 +77,11 @@ def run_cli(*args):
 
 def test_cli_evaluates_a_model_and_writes_results(tmp_path, tiny_model_dir):
     r = run_cli("--model", str(tiny_model_dir), "--data", "heldout", "--limit", "2", "--samples", "2",
-                "--max-turns", "1", "--max-tokens", "8", "--show", "1", "--out", str(tmp_path))
+                "--max-turns", "1", "--max-tokens", "8", "--show", "1", "--out", str(tmp_path),
+                "--tool-state", "persistent")
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "result.json").read_text())
+    assert result["tool_state"] == "persistent"  # (--tool-state: one Python session per trajectory)
     assert result["problems"] == 2 and result["samples_per_problem"] == 2
     assert 0.0 <= result["pass@1"] <= 1.0 and "pass@2" in result
     assert "| heldout | 2 x 2 |" in (tmp_path / "result.md").read_text()

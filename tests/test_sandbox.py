@@ -29,7 +29,7 @@ IS_ROOT = os.geteuid() == 0
 
 @pytest.fixture(scope="module")
 def pool():
-    p = SandboxPool(workers=2, timeout_s=TIMEOUT, memory_mb=768)
+    p = SandboxPool(workers=2, timeout_s=TIMEOUT, memory_mb=768, max_sessions=8)
     asyncio.run(p.start())
     yield p
     asyncio.run(p.close())
@@ -37,6 +37,52 @@ def pool():
 
 def run(pool, code, stdin="", timeout_s=None) -> ExecResult:
     return asyncio.run(pool.run(code, stdin=stdin, timeout_s=timeout_s))
+
+
+# Every isolation test below also runs for the stateful tools (tool_state, tests/test_tool_state.py): the hostile
+# code as the second call of a session whose first call set a variable and wrote a file, which must come out of
+# any call intact, in a session whose processes are all gone when it closes.
+TOOL_STATES = sandbox.TOOL_STATES
+SESSION_SETUP = "kept = 41\nopen('kept.txt', 'w').write('kept')"
+SESSION_PROBE = "print(kept + 1, open('kept.txt').read())"
+
+
+def run_as(pool, tool_state, code, stdin="", timeout_s=None) -> ExecResult:
+    """Run `code` with the tool of `tool_state`: stateless, or inside a session (see above)."""
+    if tool_state == "stateless":
+        return run(pool, code, stdin, timeout_s)
+
+    async def go():
+        tool, namespace = pool.session(tool_state), None
+        try:
+            setup = await tool.run(SESSION_SETUP)
+            assert setup.status == "ok", setup
+            result = await tool.run(code, stdin, timeout_s)
+            probe = await tool.run(SESSION_PROBE)
+            assert probe.stdout == "42 kept\n", (probe, result)
+            namespace = getattr(tool, "namespace", None)
+            if namespace is not None:  # nothing of the call is left: the session's init and its state (once its
+                assert wait_until(lambda: len(processes_in_namespace(namespace)) == 2), \
+                    processes_in_namespace(namespace)  # init has reaped the last state)
+            return result
+        finally:
+            await tool.close()
+            if tool_state == "persistent" and namespace is not None:
+                assert wait_until(lambda: not processes_in_namespace(namespace))
+
+    return asyncio.run(go())
+
+
+def processes_in_namespace(inode: int) -> list[int]:
+    """Host-side view: every process whose PID namespace is `inode` (a persistent session's)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}/ns/pid").st_ino == inode:
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
 
 
 def pool_uids(pool) -> set[int]:
@@ -137,13 +183,27 @@ HOSTILE = [
 ]
 
 
-@pytest.mark.parametrize("name,code,status,check", HOSTILE, ids=[h[0] for h in HOSTILE])
-def test_hostile_input_gets_the_right_status_and_the_pool_keeps_serving(pool, name, code, status, check):
+# the hostile inputs that a stateful tool's calls meet too: failures of every kind, bombs, daemons, forgeries (a
+# timeout is one kind: replay's is the stateless tool's, and the persistent one's rollback is the same for each)
+IN_SESSIONS = ("busy loop", "memory bomb: one allocation", "memory bomb: numpy", "endless output with newlines",
+               "huge file", "segfault", "kill itself", "os._exit(7)", "closed stdout", "closed every stream",
+               "stray daemon thread", "fork bomb", "detached daemons", "spoofed result text",
+               "forged report, then carry on", "spoofed protocol frame")
+TIMEOUTS_IN_REPLAY = ("fork bomb",)
+HOSTILE_CASES = [(tool_state, *h) for tool_state in TOOL_STATES for h in HOSTILE
+                 if tool_state == "stateless" or h[0] in IN_SESSIONS and (
+                     tool_state == "persistent" or h[2] != "timeout" or h[0] in TIMEOUTS_IN_REPLAY)]
+
+
+@pytest.mark.parametrize("tool_state,name,code,status,check", HOSTILE_CASES,
+                         ids=[(f"{c[0]}-" if c[0] != "stateless" else "") + c[1] for c in HOSTILE_CASES])
+def test_hostile_input_gets_the_right_status_and_the_pool_keeps_serving(pool, tool_state, name, code, status, check):
     start = time.monotonic()
-    result = run(pool, code)
+    result = run_as(pool, tool_state, code)
     elapsed = time.monotonic() - start
     assert result.status == status, (name, result)
-    assert elapsed < TIMEOUT + MARGIN, (name, elapsed)
+    assert elapsed < TIMEOUT + MARGIN + (2.0 if tool_state != "stateless" else 0.0), (name, elapsed)
+    assert result.rolled_back == (tool_state != "stateless" and status != "ok"), result
     assert result.duration_s <= TIMEOUT + 0.5
     assert len(result.stdout) < 2 * pool.config.max_output_chars
     assert len(result.stderr) < 2 * pool.config.max_output_chars
@@ -152,12 +212,13 @@ def test_hostile_input_gets_the_right_status_and_the_pool_keeps_serving(pool, na
     assert run(pool, "print(6 * 7)").stdout == "42\n"  # the pool keeps serving
 
 
-def test_hostile_calls_leave_no_process_behind(pool):
+@pytest.mark.parametrize("tool_state", TOOL_STATES)
+def test_hostile_calls_leave_no_process_behind(pool, tool_state):
     uids = pool_uids(pool)
     codes = {name: code for name, code, _, _ in HOSTILE}
     for code in [codes["fork bomb"], codes["detached daemons"]]:
         for _ in range(2):  # reach both workers
-            run(pool, code)
+            run_as(pool, tool_state, code)
         # what may remain: one process per worker, the fork that waits for the next call
         assert wait_until(lambda: all(len(processes_of({uid})) <= 1 for uid in uids)), processes_of(uids)
     # ... and from inside, a call sees only itself
@@ -170,8 +231,9 @@ def test_hostile_calls_leave_no_process_behind(pool):
 # Isolation
 
 
-def test_code_runs_unprivileged_with_a_clean_environment(pool):
-    r = run(pool, "import os\nprint(os.getuid(), os.geteuid(), os.getgid())\nprint(sorted(os.environ))\n"
+@pytest.mark.parametrize("tool_state", TOOL_STATES)
+def test_code_runs_unprivileged_with_a_clean_environment(pool, tool_state):
+    r = run_as(pool, tool_state, "import os\nprint(os.getuid(), os.geteuid(), os.getgid())\nprint(sorted(os.environ))\n"
                   "print(open('/proc/self/status').read())")
     assert r.status == "ok", r
     uid, euid, gid = map(int, r.stdout.splitlines()[0].split())
@@ -183,26 +245,29 @@ def test_code_runs_unprivileged_with_a_clean_environment(pool):
     assert eval(r.stdout.splitlines()[1]) == sorted(sandbox.SANDBOX_ENV)
 
 
-def test_environment_secrets_of_the_parent_are_unreachable(pool):
+@pytest.mark.parametrize("tool_state", TOOL_STATES)
+def test_environment_secrets_of_the_parent_are_unreachable(pool, tool_state):
     code = ("import os\nfound = []\nfor p in os.listdir('/proc'):\n"
             "    try: found.append(open(f'/proc/{p}/environ').read())\n    except OSError: pass\n"
             "print(found, dict(os.environ))")
-    r = run(pool, code)
+    r = run_as(pool, tool_state, code)
     assert r.status == "ok" and SECRET not in r.stdout
 
 
-def test_files_outside_the_scratch_directory_cannot_be_read(pool, tmp_path):
+@pytest.mark.parametrize("tool_state", TOOL_STATES)
+def test_files_outside_the_scratch_directory_cannot_be_read(pool, tool_state, tmp_path):
     secret = tmp_path / "root-only.txt"
     secret.write_text(SECRET)
     secret.chmod(0o600)
     for path in [str(secret), "/etc/shadow", "/etc/passwd", sandbox.__file__, "/root/.bashrc", "/proc/1/environ",
                  "/proc/1/cmdline"]:
-        r = run(pool, f"print(open({path!r}).read())")
+        r = run_as(pool, tool_state, f"print(open({path!r}).read())")
         assert r.status == "error" and SECRET not in r.stdout, (path, r)
         assert "FileNotFoundError" in r.stderr or "PermissionError" in r.stderr, (path, r)
 
 
-def test_files_outside_the_scratch_directory_cannot_be_written_or_deleted(pool, tmp_path):
+@pytest.mark.parametrize("tool_state", TOOL_STATES)
+def test_files_outside_the_scratch_directory_cannot_be_written_or_deleted(pool, tool_state, tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
     victim.chmod(0o666)
@@ -215,7 +280,7 @@ def test_files_outside_the_scratch_directory_cannot_be_written_or_deleted(pool, 
             "    try:\n        os.remove(path); print('DELETED', path)\n"
             "    except OSError as e:\n        print('denied', path, type(e).__name__)\n"
             "open('mine.txt', 'w').write('scratch is writable')\nprint(open('mine.txt').read(), os.getcwd())")
-    r = run(pool, code)
+    r = run_as(pool, tool_state, code)
     assert r.status == "ok", r
     assert "WROTE" not in r.stdout and "DELETED" not in r.stdout, r.stdout
     assert r.stdout.count("denied") == len(targets) + 4
@@ -224,20 +289,21 @@ def test_files_outside_the_scratch_directory_cannot_be_written_or_deleted(pool, 
     assert os.path.exists(sys.executable) and os.path.exists("/usr/bin/env")
 
 
-def test_loopback_services_of_the_host_are_unreachable(pool):
+@pytest.mark.parametrize("tool_state", TOOL_STATES)
+def test_loopback_services_of_the_host_are_unreachable(pool, tool_state):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     listener.settimeout(0.5)
     port = listener.getsockname()[1]
     try:
-        r = run(pool, f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)")
+        r = run_as(pool, tool_state, f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)")
         assert r.status == "error" and ("unreachable" in r.stderr or "refused" in r.stderr), r
         with pytest.raises(socket.timeout):
             listener.accept()
     finally:
         listener.close()
-    r = run(pool, "import socket\nprint(socket.if_nameindex())")
+    r = run_as(pool, tool_state, "import socket\nprint(socket.if_nameindex())")
     assert r.stdout.strip() == "[(1, 'lo')]"
 
 
@@ -545,10 +611,18 @@ def expected_process_bound(pool) -> int:
     return pool.isolation.get("pid_max") - 1
 
 
-@pytest.mark.parametrize("mode,cgroup", MODES, ids=[f"{m}-{'cgroup' if c else 'no-cgroup'}" for m, c in MODES])
-def test_fork_and_memory_bombs_are_bounded_in_every_mode_and_the_trainer_is_untouched(mode, cgroup):
+# the stateful tools in the modes they run in (persistent sessions need the PID namespace: not "none")
+BOMB_CASES = ([("stateless", mode, cgroup) for mode, cgroup in MODES]
+              + [("persistent", mode, cgroup) for mode, cgroup in MODES if mode != "none"]
+              + [("replay", mode, cgroup) for mode, cgroup in MODES if (mode, cgroup) == ("auto", True)])
+
+
+@pytest.mark.parametrize("tool_state,mode,cgroup", BOMB_CASES,
+                         ids=[(f"{t}-" if t != "stateless" else "") + f"{m}-{'cgroup' if c else 'no-cgroup'}"
+                              for t, m, c in BOMB_CASES])
+def test_fork_and_memory_bombs_are_bounded_in_every_mode_and_the_trainer_is_untouched(tool_state, mode, cgroup):
     pool = SandboxPool(workers=1, timeout_s=4.0, memory_mb=384, preload=(), isolation=mode, cgroup=cgroup,
-                       max_processes=16)
+                       max_processes=16, max_sessions=int(tool_state == "persistent"), session_memory_mb=32)
     rss_before, threads_before = trainer_state()
     cgroups = []
 
@@ -558,17 +632,27 @@ def test_fork_and_memory_bombs_are_bounded_in_every_mode_and_the_trainer_is_unto
             warnings.simplefilter("ignore", RuntimeWarning)
             await pool.start()
         cgroups.extend(d for paths in pool._cgroups.values() for d in paths["dirs"])
+        persistent = pool.session(tool_state)  # one session meets every bomb (stateless: the pool itself)
+
+        async def call(code, timeout_s=None):
+            if tool_state != "replay":
+                return await persistent.run(code, timeout_s=timeout_s)
+            replay = pool.session("replay")  # each bomb after one harmless cell (replaying a bomb would be a
+            replay.history.append(("kept = 41", ""))  # second bomb)
+            return await replay.run(code, timeout_s=timeout_s)
+
         try:
-            counted = await pool.run(COUNT_FORKS, timeout_s=60)  # up to 300 forks on a busy machine
-            bomb = await pool.run(FORK_BOMB, timeout_s=1.0)
-            return [counted, bomb] + [await pool.run(code) for code in (MEMORY_IN_PROCESSES, TMP_THEN_MEMORY,
-                                                                         "print(open('/proc/self/oom_score_adj').read())")]
+            counted = await call(COUNT_FORKS, timeout_s=60)  # up to 300 forks on a busy machine
+            bomb = await call(FORK_BOMB, timeout_s=1.0)
+            return [counted, bomb] + [await call(code) for code in (MEMORY_IN_PROCESSES, TMP_THEN_MEMORY,
+                                                                    "print(open('/proc/self/oom_score_adj').read())")]
         finally:
             await pool.close()
 
     counted, bomb, memory, tmp_memory, oom_adj = asyncio.run(session())
     children = int(counted.stdout.split()[0])
-    assert 1 <= children <= expected_process_bound(pool), (counted, pool.isolation)
+    # a persistent session's call may also take the slot kept for the state it leaves (RLIMIT_NPROC as root)
+    assert 1 <= children <= expected_process_bound(pool) + (tool_state == "persistent"), (counted, pool.isolation)
     assert bomb.status == "timeout"
     assert oom_adj.stdout == "1000\n\n"
     statuses = eval(memory.stdout)

@@ -899,3 +899,104 @@ def test_im_end_stops_a_turn_of_a_base_checkpoint(tokenizer):
     assert im_end in stops and base.eos_token_id in stops
     req = S.GenRequest(ids=[1, 2], max_new_tokens=50)
     assert S.finish_reason(base, [5, im_end], req, stops) == "eos"
+
+
+# ---- the tool's state across a trajectory's calls (sandbox.py's tool_state): one session per trajectory
+
+
+class SessionTools(EchoTools):
+    """Stand-in pool with sessions (sandbox.SandboxPool.session): records each session's calls and closing."""
+
+    def __init__(self, fail_on=None):
+        super().__init__()
+        self.sessions, self.closed, self.fail_on = [], [], fail_on
+
+    def session(self, tool_state):
+        pool = self
+
+        class Session:
+            def __init__(self):
+                self.tool_state, self.codes = tool_state, []
+                pool.sessions.append(self)
+
+            async def run(self, code, stdin="", timeout_s=None):
+                self.codes.append(code)
+                if code == pool.fail_on:
+                    raise RuntimeError("the session broke")
+                return await pool.run(code, stdin, timeout_s)
+
+            async def close(self):
+                pool.closed.append(self)
+
+        return Session()
+
+
+@pytest.mark.parametrize("tool_state", ["replay", "persistent"])
+def test_a_trajectory_keeps_one_session_across_its_turns_and_closes_it(tokenizer, tool_state):
+    turns = lambda p, s: [call_text(f"print({p}{s}1)"), call_text(f"print({p}{s}2)"), "Done."]  # noqa: E731
+    tools = SessionTools(fail_on="print(112)")  # trajectory (1, 1) fails on its second call: still closed
+    cfg = S.RolloutConfig(tool_state=tool_state)
+    groups, _ = run_sim(tokenizer, scripted(tokenizer, turns), [("a", "q0"), ("b", "q1")], 2, cfg, tools=tools)
+    assert len(tools.sessions) == 4 and all(s.tool_state == tool_state for s in tools.sessions)
+    assert sorted(s.codes for s in tools.sessions) == [[f"print({p}{s}1)", f"print({p}{s}2)"]
+                                                        for p in range(2) for s in range(2)]
+    assert sorted(map(id, tools.closed)) == sorted(map(id, tools.sessions))  # every one closed, once
+    assert groups[1][1].finish_reason == "error" and groups[0][0].finish_reason == "answer"
+    for (_, question), group in zip([("a", "q0"), ("b", "q1")], groups):
+        assert all(t.prompt_ids == S.render_prompt(tokenizer, question, tool_state) for t in group)
+
+
+def test_stateless_rollouts_use_the_pool_itself_and_the_papers_prompt(tokenizer):
+    turns = lambda p, s: [call_text("print(1)"), "Done."]  # noqa: E731
+    tools = SessionTools()
+    groups, _ = run_sim(tokenizer, scripted(tokenizer, turns), [("a", "q0")], 2, S.RolloutConfig(), tools=tools)
+    assert tools.sessions == [] and tools.calls == ["print(1)", "print(1)"]
+    assert groups[0][0].prompt_ids == S.render_prompt(tokenizer, "q0")
+
+
+def test_the_prompt_names_a_stateful_tool_in_one_line_and_the_stateless_prompt_is_unchanged():
+    import protocol
+
+    paper = protocol.prompt_text("What is 2+2?")
+    assert protocol.prompt_text("What is 2+2?", "stateless") == paper
+    for tool_state in ("replay", "persistent"):
+        text = protocol.prompt_text("What is 2+2?", tool_state)
+        system, added = protocol.system_message(tool_state).rsplit("\n", 1)  # the paper's system message + a line
+        assert system == protocol.system_message() and text == paper.replace(system, system + "\n" + added)
+        assert "earlier" in added and "rolled back" in added
+    assert protocol.prompt_text("q", "replay") != protocol.prompt_text("q", "persistent")
+    with pytest.raises(ValueError, match="tool_state"):
+        protocol.prompt_text("q", "sticky")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_persistent_trajectories_wait_for_a_session_slot_instead_of_being_refused(tokenizer, deterministic):
+    """A pool that holds at most max_sessions live sessions: no more trajectories than that run at once (the
+    others wait to start), so none meets the pool's refusal; deterministic waves still form."""
+    class Bounded(SessionTools):
+        class config:  # noqa: N801 - stands in for SandboxConfig
+            max_sessions = 2
+
+        def __init__(self):
+            super().__init__()
+            self.live = self.most = 0
+
+        def session(self, tool_state):
+            session, pool = super().session(tool_state), self
+            pool.live += 1
+            pool.most = max(pool.most, pool.live)
+            close = session.close
+
+            async def closing():
+                pool.live -= 1
+                await close()
+            session.close = closing
+            return session
+
+    turns = lambda p, s: [call_text(f"print({p}{s})"), call_text("sleep 0.5"), "Done."]  # noqa: E731
+    tools = Bounded()
+    cfg = S.RolloutConfig(tool_state="persistent", deterministic=deterministic)
+    groups, _ = run_sim(tokenizer, scripted(tokenizer, turns), [("a", "q0"), ("b", "q1"), ("c", "q2")], 2, cfg,
+                        tools=tools)
+    assert tools.most == 2 and tools.live == 0 and len(tools.sessions) == 6
+    assert all(t.finish_reason == "answer" and t.tool_calls == 2 for g in groups for t in g)

@@ -1206,3 +1206,16 @@ def test_the_logged_lr_is_the_rate_the_steps_optimizer_steps_used(tokenizer):
         rt = R.Runtime(m, tokenizer, engines=[], pool=None, loop=None)
         logged = [R.policy_update(rt, cfg, optimizer, schedule, kept, random.Random(1))["lr"] for _ in expected]
         assert logged == pytest.approx([cfg.lr * f for f in expected], rel=1e-12), (minibatches, logged)
+
+
+def test_tool_state_option_reaches_the_rollouts_and_refuses_what_cannot_run():
+    """--set tool_state=... (sandbox.py's stateless | replay | persistent): the paper's stateless tool by default,
+    carried into every rollout's config; a persistent session needs the sandbox's namespaces."""
+    assert R.parse_args([]).tool_state == "stateless"
+    cfg = R.parse_args(["--set", "tool_state=persistent"])
+    assert cfg.tool_state == "persistent" and R.rollout_config(cfg).tool_state == "persistent"
+    assert R.rollout_config(R.parse_args(["--set", "tool_state=replay"]), temperature=0.6).tool_state == "replay"
+    with pytest.raises(R.UsageError, match="choose stateless, replay or persistent"):
+        R.parse_args(["--set", "tool_state=sticky"])
+    with pytest.raises(R.UsageError, match="namespaces"):
+        R.parse_args(["--set", "tool_state=persistent", "--sandbox-isolation", "none"])
