@@ -865,3 +865,38 @@ def test_im_end_stops_a_turn_of_a_base_checkpoint(tokenizer):
     assert im_end in stops and base.eos_token_id in stops
     req = S.GenRequest(ids=[1, 2], max_new_tokens=50)
     assert S.finish_reason(base, [5, im_end], req, stops) == "eos"
+
+
+def test_an_all_wrong_group_is_sampled_again_as_soon_as_it_is_graded(tokenizer):
+    """Retry (rstar2_mini's retry_all_wrong): problem 0's group ends at once, all wrong; problem 1's runs a slow
+    tool call. Problem 0's second group is requested (its own seed stream, the same problem index) while problem
+    1's group still runs, not after the round; it replaces the first, which is reported spent; problem 1, right,
+    is not sampled again. The barrier mode (deterministic) runs the retry after the round instead."""
+    def turns(problem, sample):
+        if problem == 0:
+            return ["wrong"]
+        return [call_text("sleep 50"), "right"]
+
+    script = scripted(tokenizer, turns)
+    starts = []   # (virtual time, problem, seed) of every request
+
+    def recording(req):
+        starts.append((asyncio.get_event_loop().time(), req.key[0], req.seed))
+        return script(req)
+
+    for deterministic in (False, True):
+        starts.clear()
+        cfg = S.RolloutConfig(max_turns=3, max_response_tokens=400, deterministic=deterministic)
+        retry = S.Retry(grade=lambda pi, group: [setattr(t, "reward", float("right" in t.model_text))
+                                                 for t in group], seeds=[777])
+        loop = S.virtual_time_loop()
+        engine = S.SimulatedEngine(recording, 20000, tokens_per_s=1000, saturation=4)
+        groups = S.run_rollouts([engine], EchoTools(), tokenizer, [("a", "q0"), ("b", "q1")], 2, cfg, seed=5,
+                                progress=False, loop=loop, retry=retry)
+        end = loop.time()
+        loop.close()
+        retried = [t for t, p, seed in starts if seed == S.request_seed(777, 0, 0, 0)]
+        assert len(retried) == 1 and [p for _, p, _ in starts].count(0) == 4
+        assert (retried[0] < 40) != deterministic     # in the round (problem 1 sleeps 50 s), or after it
+        assert [pi for pi, _ in retry.spent] == [0] and len(retry.spent[0][1]) == 2
+        assert [t.reward for g in groups for t in g] == [0.0, 0.0, 1.0, 1.0] and end > 50

@@ -310,11 +310,23 @@ def test_a_problem_all_wrong_is_sampled_again_and_its_second_group_trains(monkey
     the group that trains is the second, and both count in the step's rollouts. Without it nothing is resampled."""
     calls = []
 
-    def fake_groups(rt, cfg, problems, n, seed, **kw):
-        calls.append(([int(p.id) for p in problems], seed))
-        first = len(calls) == 1   # problem 0 mixed, 1 all wrong, 2 all right; the second try of 1 is mixed
-        rewards = {0: [1, 0] * 4, 1: [0] * 8 if first else [1, 1, 0, 0, 0, 0, 0, 0], 2: [1] * 8}
-        return [[graded_traj(int(p.id), r) for r in rewards[int(p.id)]] for p in problems]
+    def fake_groups(rt, cfg, problems, n, seed, retry_seeds=(), **kw):
+        """As generate_groups with scheduler.Retry: an all-wrong group is sampled again with each retry seed."""
+        def draw(ps, seed_):
+            calls.append(([int(p.id) for p in ps], seed_))
+            first = len(calls) == 1   # problem 0 mixed, 1 all wrong, 2 all right; the second try of 1 is mixed
+            rewards = {0: [1, 0] * 4, 1: [0] * 8 if first else [1, 1, 0, 0, 0, 0, 0, 0], 2: [1] * 8}
+            return [[graded_traj(int(p.id), r) for r in rewards[int(p.id)]] for p in ps]
+        groups = draw(problems, seed)
+        if not retry_seeds:
+            return groups
+        spent = []
+        for k, p in enumerate(problems):
+            for seed_ in retry_seeds:
+                if not any(t.reward > 0 for t in groups[k]):
+                    spent.append((p, groups[k]))
+                    groups[k] = draw([p], seed_)[0]
+        return groups, spent
 
     monkeypatch.setattr(R, "generate_groups", fake_groups)
     for retries, want_calls, want_kept in [(0, 1, {"p0"}), (1, 2, {"p0", "p1"})]:
