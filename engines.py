@@ -106,9 +106,14 @@ def sample_rows(logits, temperatures, top_ps, generators):
     (tests/test_scheduler.py). Row by row the same arithmetic gives the same tokens (tests/test_engine.py)."""
     import torch
 
-    temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=logits.dtype, device=logits.device)
-    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    tokens = torch.argmax(logp, dim=-1)                                  # greedy rows keep these
+    if all(t == 1.0 or t <= 0 for t in temperatures):                   # x / 1 = x: no division
+        logp = torch.log_softmax(logits, dim=-1)
+    else:
+        temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=logits.dtype, device=logits.device)
+        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    greedy = any(t <= 0 for t in temperatures)
+    tokens = torch.argmax(logp, dim=-1) if greedy else torch.zeros(len(generators), dtype=torch.long,
+                                                                    device=logp.device)  # greedy rows keep these
     drawn = [b for b, (t, p) in enumerate(zip(temperatures, top_ps)) if t > 0 and p >= 1.0]
     if drawn:
         idx = torch.tensor(drawn, device=logp.device)

@@ -149,7 +149,9 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
     """Rollouts for one step with dynamic sampling and GRPO-RoC. Returns (kept, stats, cursor, all rollouts):
     kept = [(trajectory, advantage)], the G kept rollouts of each informative group."""
     import grpo_roc
+    import scheduler
 
+    scheduler.occupancy_stats(rt.engines if rt else [], reset=True)   # this step's rollout phase starts
     n = cfg.group_size * cfg.oversample  # 2G rollouts per problem (paper: 32)
     informative, drawn, all_trajs, flattened, resampled, solved = [], 0, [], 0, 0, []
     kept, kept_pos, all_pos, dropped_pos = [], [], [], []
@@ -227,6 +229,7 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         "finish_length_frac": mean(1.0 if t.finish_reason == "length" else 0.0 for t in all_trajs),
         "answer_format_rate": mean(1.0 if t.answer_tags else 0.0 for t in all_trajs),
         "rollouts_by_cell": by_cell,
+        **scheduler.occupancy_stats(rt.engines if rt else []),       # busy rows per decode iteration, ...
     }
     return kept, stats, cursor, all_trajs
 

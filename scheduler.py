@@ -461,6 +461,26 @@ def run_rollouts(engines: list, pool, tokenizer, problems: list[tuple[str, str]]
         fresh.close()
 
 
+def occupancy_stats(engines: list, reset: bool = False) -> dict:
+    """The rollout phase's occupancy for metrics.jsonl, over the engines that trace it (TransformersEngine): decode
+    iterations, busy rows per iteration (mean, against engine_slots), longest own context per iteration (mean), ms
+    per iteration. reset=True starts a new phase."""
+    traced = [e for e in engines if hasattr(e, "occupancy")]
+    if reset:
+        for e in traced:
+            e.reset_occupancy()
+        return {}
+    if not traced:
+        return {}
+    occ = [e.occupancy() for e in traced]
+    n = sum(o["iterations"] for o in occ) or 1
+    return {"rollout_iterations": sum(o["iterations"] for o in occ),
+            "rollout_rows_mean": round(sum(o["rows_mean"] * o["iterations"] for o in occ) / n, 2),
+            "rollout_columns_mean": round(sum(o["columns_mean"] * o["iterations"] for o in occ) / n, 1),
+            "rollout_ms_per_iteration": round(sum(o["ms_per_iteration"] * o["iterations"] for o in occ) / n, 1),
+            "engine_slots": sum(o["slots"] for o in occ)}
+
+
 def sync_weights(engines: list, weights) -> None:
     """Send the trainer's new weights (a model or a state dict) to every engine, once per engine backend
     (the VLLMEngine handles of one launch share a backend that broadcasts to all its GPUs)."""

@@ -78,9 +78,11 @@ def decode(engine, reqs):
     return [results[i] for i in range(len(reqs))]
 
 
-def timed(engine):
-    """(tokens, seconds) of decoding every request (after a short warm-up)."""
+def timed(engine, trace: bool = False):
+    """(tokens, seconds) of decoding every request (after a short warm-up); trace: record its iterations."""
     decode(engine, requests[:2])
+    if trace:
+        engine.trace = []
     started = time.perf_counter()
     out = decode(engine, requests)
     return sum(len(r.token_ids) for r in out), time.perf_counter() - started
@@ -94,9 +96,7 @@ rates = {"baseline": [], "current": []}
 trace = None
 for r in range(args.rounds):
     for arm in ("baseline", "current"):
-        if arm == "current":
-            engines[arm].trace = []
-        tokens, seconds = timed(engines[arm])
+        tokens, seconds = timed(engines[arm], trace=arm == "current")
         rates[arm].append(tokens / seconds)
         if arm == "current":
             trace = engines[arm].trace
