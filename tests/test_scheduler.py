@@ -724,7 +724,7 @@ def test_engine_stops_at_tool_call_and_runs_concurrent_requests(tokenizer, tiny)
 
     def steered(*args, **kwargs):  # logits favour the next token of "</tool_call>" after the prompt
         logits = forward(*args, **kwargs)
-        if engine.decoder.cache.kv.shape[2] > 1:  # (not the engine computing its shared prompt prefix)
+        if len(engine.decoder.cache.lens) > 1:  # (not the engine computing its shared prompt prefix)
             logits[:, target[min(step[0], len(target) - 1)]] += 100.0
             step[0] += 1
         return logits
