@@ -136,6 +136,7 @@ print(json.dumps({
     "rows": args.rows, "new_tokens": args.new_tokens, "rounds": args.rounds, "dtype": str(dtype).removeprefix("torch."),
     "host": models.cpu_kind(), "threads": torch.get_num_threads(), "baseline": args.baseline,
     "ms_per_iteration": round(ms_mean, 2), "floor_ms": floor["floor_ms"], "bound": floor["bound"],
-    "share_of_floor": round(floor["floor_ms"] / ms_mean, 3), "cold_gemm_gflops": {k: round(v, 1) for k, v in gemm.items()},
+    "share_of_floor": round(floor["floor_ms"] / ms_mean, 3),
+    "cold_gemm_gflops": {k: round(v, 1) for k, v in gemm.items()},
     "stream_gbs": round(gbs, 1), "fp32_same_tokens": f"{same}/{len(few)}", "fp32_max_logprob_diff": round(lp_diff, 6),
 }))

@@ -152,7 +152,8 @@ summary |= {"step_speedup": round(summary["baseline_step_time_s"] / summary["cur
             "update_speedup": round((summary["baseline_step_time_s"] - summary["baseline_rollout_time_s"])
                                     / (summary["current_step_time_s"] - summary["current_rollout_time_s"]), 3)
             if summary["current_step_time_s"] > summary["current_rollout_time_s"] else None,   # no update ran
-            "gen_tokens_per_s_ratio": round(summary["current_gen_tokens_per_s"] / summary["baseline_gen_tokens_per_s"], 3),
+            "gen_tokens_per_s_ratio": round(summary["current_gen_tokens_per_s"]
+                                            / summary["baseline_gen_tokens_per_s"], 3),
             "host": models.cpu_kind(), "decode_matmul_gflops": rates, "cold_gemm_gflops": round(cold_rate, 1),
             "update_gemm_gflops": round(update_rate, 1), "stream_gbs": round(bandwidth, 1),
             **{f"{arm}_rollout_share_of_rate": round(roofline.share_of_rate(summary[f"{arm}_gen_tokens_per_s"], policy,
