@@ -356,9 +356,7 @@ class TransformersEngine:
 
     def _stop_candidates(self, stop_text: str) -> set:
         if stop_text not in self._stop_tokens:
-            texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))],
-                                                skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            self._stop_tokens[stop_text] = {i for i, t in enumerate(texts) if stop_text[-1] in t}
+            self._stop_tokens[stop_text] = tokens_holding(self.tokenizer, stop_text[-1])
         return self._stop_tokens[stop_text]
 
     def _record(self, rows, ids, started: float) -> None:
@@ -430,6 +428,19 @@ class TransformersEngine:
         todo = own_len - self.decoder.cache.lens[slot]
         self.prefill_tokens += todo
         return row, todo
+
+
+_HOLDING: dict = {}   # (tokenizer, its size, character) -> token ids: decoding a vocabulary takes a second
+
+
+def tokens_holding(tokenizer, char: str) -> set:
+    """The ids of the tokens whose decoded text holds `char`."""
+    key = (getattr(tokenizer, "name_or_path", ""), len(tokenizer), type(tokenizer).__name__, char)
+    if key not in _HOLDING:
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False,
+                                       clean_up_tokenization_spaces=False)
+        _HOLDING[key] = frozenset(i for i, t in enumerate(texts) if char in t)
+    return _HOLDING[key]
 
 
 @dataclass

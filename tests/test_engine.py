@@ -56,18 +56,18 @@ def test_engine_tokens_equal_a_full_forward_sampler_with_the_same_draws(tokenize
     engine = S.TransformersEngine(tiny, tokenizer, max_batch=3)
     prompts = [S.render_prompt(tokenizer, f"question {i} " + "pad " * (25 * (i % 4))) for i in range(6)]
     prompts.append(S.encode(tokenizer, "<|im_start|>user\nNo system prompt here.<|im_end|>\n<|im_start|>assistant\n"))
-    reqs = [S.GenRequest(p, 6 + 17 * (i % 3), temperature=[1.0, 0.7, 0.0][i % 3], seed=S.request_seed(1, i, 0, 0),
+    reqs = [S.GenRequest(p, 6 + 9 * (i % 3), temperature=[1.0, 0.7, 0.0][i % 3], seed=S.request_seed(1, i, 0, 0),
                          key=(i, 0, 0), stop_text="@@") for i, p in enumerate(prompts)]
     got = wave(engine, reqs)
     # tool stops: a stop text that the first turn writes at its 5th token
-    first = [S.GenRequest(r.ids, 30, temperature=r.temperature, seed=r.seed, key=(i, 1, 0),
+    first = [S.GenRequest(r.ids, 16, temperature=r.temperature, seed=r.seed, key=(i, 1, 0),
                           stop_text=tokenizer.decode(g.token_ids[4:5]).strip() or "@@")
              for i, (r, g) in enumerate(zip(reqs[:3], got[:3]))]
     turn1 = wave(engine, first)
     tool = S.encode(tokenizer, "<|im_start|>user\n<tool_response>42</tool_response><|im_end|>\n")
-    second = [S.GenRequest(q.ids + r.token_ids + tool, 12, temperature=1.0, seed=50 + i, key=(i, 1, 1),
+    second = [S.GenRequest(q.ids + r.token_ids + tool, 8, temperature=1.0, seed=50 + i, key=(i, 1, 1),
                            stop_text="@@") for i, (q, r) in enumerate(zip(first, turn1))]
-    fresh = S.GenRequest(prompts[5], 12, temperature=1.0, seed=99, key=(9, 0, 0), stop_text="@@")
+    fresh = S.GenRequest(prompts[5], 8, temperature=1.0, seed=99, key=(9, 0, 0), stop_text="@@")
     reused = engine.reused_tokens
     more = wave(engine, second + [fresh])
     assert engine.reused_tokens > reused + sum(len(q.ids) - len(engine.prefix_ids) for q in first) // 2
