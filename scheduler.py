@@ -40,6 +40,7 @@ CPU against a turn-synchronous loop). vllm_engine.py says how to check it on a G
 Modules (imports flow one way: protocol <- engines <- vllm_engine <- scheduler):
     protocol.py     the prompt, token encoding, Segment / Trajectory, count_answer_blocks (section 2.1)
     engines.py      GenRequest / GenResult, TransformersEngine, SimulatedEngine, virtual_time_loop
+    slot_engine.py  TransformersEngine's forward: a Llama-family decoder over slot KV
     vllm_engine.py  VLLMEngine and its weight loader, placement, shutdown (vLLM imported only when used)
     scheduler.py    (this file) tool-call parsing and running, RolloutConfig, the Scheduler, the rollout loop,
                     sync_weights; it re-exports the names above, so `scheduler.X` works for all of them.
