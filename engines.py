@@ -5,8 +5,8 @@ engine.submit(req); the engine generates one turn (or one chunk of it) and resol
 (token ids, their log-probs under log_softmax(logits / T), why it stopped: "eos" | "tool" | "length"), which
 rollout_one appends to the Trajectory (protocol.py). Engines never import the scheduler.
 
-  * TransformersEngine: continuous batching on a Hugging Face model in a hand-written decode loop (CPU,
-    single-GPU debugging), with the KV-cache helpers it needs (shared_prompt_prefix ... trim_padding);
+  * TransformersEngine: continuous batching on a Hugging Face Llama-family model in a hand-written decode loop
+    (CPU, single-GPU debugging); its forward over slot KV is slot_engine.py;
   * SimulatedEngine + virtual_time_loop: a cost model of a GPU engine in virtual time, for
     bench/bench_scheduler.py and the scheduler tests only;
   * VLLMEngine (one per GPU) lives in vllm_engine.py, which needs vLLM.
@@ -17,10 +17,9 @@ import asyncio
 import hashlib
 import threading
 from collections import OrderedDict
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from model import prefix_cache, release_freed_memory
+from model import release_freed_memory
 from protocol import TOOL_CALL_CLOSE, render_prompt
 
 # ----------------------------------------------------------------------------------------------------------
@@ -97,30 +96,39 @@ def sample_rows(logits, temperatures, top_ps, generators):
 
     logp = log_softmax(logits / T) is the log-probability the trainer computes for the same token (the
     importance ratio's denominator); top-p only narrows the set the token is drawn from (nucleus sampling),
-    as vLLM does; with top_p = 1 the two distributions are the same. T <= 0 means greedy."""
+    as vLLM does; with top_p = 1 the two distributions are the same. T <= 0 means greedy.
+
+    Inverse CDF (multinomial draws 49K exponentials a row: 8% of a step), all rows of top_p = 1 at once: one
+    float64 uniform u from each row's generator, token k of the row for u * cdf[-1] in [cdf[k-1], cdf[k]).
+    Sums and u in float64: in float32 the sum's step near its top is 6e-8, so at 49,152 tokens hundreds to tens
+    of thousands of them had an interval of width 0 (never drawn) and others were rounded up (total variation
+    3e-4 from the softmax); float32's u reaches only 2^24 points. In float64 both steps are ~1e-16
+    (tests/test_scheduler.py). Row by row the same arithmetic gives the same tokens (tests/test_engine.py)."""
     import torch
 
-    temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=logits.dtype, device=logits.device)
-    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    tokens = []
-    for row, (t, p, gen) in enumerate(zip(temperatures, top_ps, generators)):
-        if t <= 0:
-            tok = int(torch.argmax(logp[row]))
-        elif p >= 1.0:  # inverse CDF: one uniform per row (multinomial draws 49K exponentials: 8% of a step)
-            # token k for u * cdf[-1] in [cdf[k-1], cdf[k]), sums and u in float64: in float32 the sum's step near
-            # its top is 6e-8, so at 49,152 tokens hundreds to tens of thousands of them had an interval of width
-            # 0 (never drawn) and others were rounded up (total variation 3e-4 from the softmax); float32's u
-            # reaches only 2^24 points. In float64 both steps are ~1e-16 (tests/test_scheduler.py).
-            cdf = torch.cumsum(logp[row].exp(), 0, dtype=torch.float64)  # exp in float32: relative error 6e-8 each
-            u = torch.rand(1, generator=gen, device=logp.device, dtype=torch.float64) * cdf[-1]
-            tok = min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
-        else:  # nucleus: the smallest set of most likely tokens whose mass reaches p
-            probs, order = torch.sort(logp[row].exp(), descending=True)
+    if all(t == 1.0 or t <= 0 for t in temperatures):                   # x / 1 = x: no division
+        logp = torch.log_softmax(logits, dim=-1)
+    else:
+        temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=logits.dtype, device=logits.device)
+        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    greedy = any(t <= 0 for t in temperatures)
+    tokens = torch.argmax(logp, dim=-1) if greedy else torch.zeros(len(generators), dtype=torch.long,
+                                                                    device=logp.device)  # greedy rows keep these
+    drawn = [b for b, (t, p) in enumerate(zip(temperatures, top_ps)) if t > 0 and p >= 1.0]
+    if drawn:
+        idx = torch.tensor(drawn, device=logp.device)
+        part = logp if len(drawn) == len(generators) else logp[idx]
+        cdf = torch.cumsum(part.exp(), -1, dtype=torch.float64)          # exp in float32: relative error 6e-8 each
+        u = torch.cat([torch.rand(1, generator=generators[b], device=logp.device, dtype=torch.float64)
+                       for b in drawn]) * cdf[:, -1]
+        tokens[idx] = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+    for b, (t, p) in enumerate(zip(temperatures, top_ps)):  # nucleus: the fewest most likely tokens of mass p
+        if t > 0 and p < 1.0:
+            probs, order = torch.sort(logp[b].exp(), descending=True)
             keep = (torch.cumsum(probs, 0) - probs) < p  # always keeps the most likely token
-            tok = int(order[torch.multinomial(probs * keep, 1, generator=gen)])
-        tokens.append(tok)
-    lps = logp[torch.arange(len(tokens), device=logp.device), torch.tensor(tokens, device=logp.device)]
-    return tokens, lps.tolist()
+            tokens[b] = order[torch.multinomial(probs * keep, 1, generator=generators[b])]
+    lps = logp.gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), lps.tolist()
 
 
 def finish_reason(tokenizer, new_ids: list[int], req: GenRequest, eos_ids: set[int]) -> str | None:
@@ -137,62 +145,43 @@ def finish_reason(tokenizer, new_ids: list[int], req: GenRequest, eos_ids: set[i
 
 
 class TransformersEngine:
-    """In-process engine on a Hugging Face causal LM: continuous batching in a hand-written decode loop, with
-    the shared system prompt computed once.
+    """In-process engine on a Hugging Face Llama-family causal LM (CPU, single-GPU debugging): continuous batching
+    over slot KV (slot_engine.py), with the shared system prompt computed once.
 
-    One decode thread runs the batch. Before every decode step it admits waiting requests into free batch rows
-    (up to max_batch): their contexts are prefilled together and their KV merged into the running batch. A row
-    leaves the batch the moment it stops, and its future resolves then, so its tool call starts while the others
-    keep decoding; the tool's continuation joins the running batch a few steps later (no waves, no waiting for
-    the slowest row). Every row samples with its request's own generator, so its tokens do not depend on which
-    other requests share the batch.
+    One decode thread runs the batch, up to max_batch rows, row i in KV slot i. Every iteration it admits waiting
+    requests into the free slots, then runs one forward over every row's pending tokens (one sampled token for a
+    decoding row; for an admitted row the part of its context no KV covers), samples every row at once and checks
+    every row's stop. A row leaves the moment it stops and its future resolves then, so its tool call starts while
+    the others keep decoding; the last row moves into its slot (one row's KV). A row stopped at a tool call hands
+    its KV to the engine, and its continuation, admitted like any request, prefills only the tool's response and
+    what follows. Every row samples with its request's own generator, so its tokens do not depend on which other
+    requests share the batch. The decode runs in a worker thread, so the event loop keeps serving tool results.
 
-    What makes it fast on a CPU, measured in bench/bench_rollout.py and bench/bench_rl_step.py:
-      * the shared prefix: every prompt starts with the same ~450-token system prompt and tool schema. Its KV
-        is computed once per weight version and held once for the whole batch; only the rest of the context
-        is prefilled (that prefill used to cost more than all the decoding), and attention reads the prefix
-        once per step for all rows (shared_prefix_attention) instead of once per row;
-      * a KV buffer with room to grow (growing_kv_layer), instead of transformers' DynamicCache which copies
-        the whole cache at every step;
-      * a row that stops at a tool call keeps its KV until its continuation comes (_keep_kv), which then
-        prefills only the tool's response and what follows;
-      * sampling by inverse CDF (sample_rows), and the vocabulary projection as W h^T
-        (output_projection_transposed).
-
-    KV layout: the shared prefix (P columns, one copy), then the batch's cache, one column per cached token
-    (all rows append the next token in the same column):
-
-        prefix:  0 .. P-1, shared by the rows that have it
-        column:  0 ......... start[b]-1   start[b] ........... L-1
-        row b:   padding (masked)         the row's own tokens (rest of prompt, output)
-
-    A row whose context does not start with the shared prefix masks the prefix and keeps its whole context in
-    its own tokens. Positions count real tokens only, so each row sees the positions of a plain forward of its
-    own context. The decode runs in a worker thread, so the event loop keeps serving tool
-    results meanwhile."""
+    Positions count real tokens only (no padding anywhere), so each row sees the positions of a plain forward of
+    its own context. A row whose context does not start with the shared prefix masks the prefix and keeps its whole
+    context in its own columns. engine.trace (set it to a list) records every iteration's busy rows, their longest
+    own context, the tokens forwarded and the milliseconds; occupancy() summarizes the iterations since the last
+    reset_occupancy()."""
 
     def __init__(self, model, tokenizer, max_batch: int = 16, kv_capacity_tokens: int = 65536,
                  device: str = "cpu", share_prefix: bool = True):
-        import inspect
+        from slot_engine import SlotDecoder
 
         self.model = model.to(device)
+        self.decoder = SlotDecoder(self.model, max_batch, device)   # refuses a model it does not implement
+        self._stale = True                # the decoder's operands must be rebuilt from the model's weights
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.capacity_tokens = kv_capacity_tokens
         self.device = device
         self.eos_ids = eos_token_ids(tokenizer, model)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        # transformers 5 renamed forward(past_key_values=) to forward(cache=)
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.prefix_ids = shared_prompt_prefix(tokenizer) if share_prefix else []
-        self._prefix_kv = None            # [(keys, values)] per layer of prefix_ids, for the current weights
+        self._prefix_kv = None            # [layers, 2, kv heads, P, head dim] of prefix_ids, current weights
         # the KV of rows that stopped at a tool call, until their continuation comes: {(problem, sample):
-        # (context ids it covers, has_prefix, [(keys, values)] per layer)}; dropped at a weight sync
+        # (context ids it covers, has_prefix, [layers, 2, kv heads, n, head dim])}; dropped at a weight sync
         self._kept_kv: OrderedDict = OrderedDict()
+        self._stop_tokens: dict[str, set] = {}   # stop text -> the tokens whose text holds its last character
         self.reused_tokens = 0            # prefill tokens taken from _kept_kv instead of recomputed
-        if self.prefix_ids:
-            use_shared_prefix_attention(self.model)
         self._queue: list[tuple[GenRequest, asyncio.Future]] = []
         self._lock = threading.Lock()     # guards _queue and _looping between the event loop and the decode thread
         self._looping = False             # whether a decode loop is running (or about to)
@@ -202,8 +191,10 @@ class TransformersEngine:
         self.worker: asyncio.Task | None = None
         self._weights_lock = threading.Lock()  # a weight sync waits for the running decode loop
         self.tokens_generated = 0
-        self.waves = 0                    # admissions: prefill batches merged into the running batch
+        self.waves = 0                    # iterations that admitted requests
         self.prefill_tokens = 0           # tokens prefilled (the shared prefix excluded)
+        self.trace: list | None = None    # set to [] to record every iteration (see the class docstring)
+        self.reset_occupancy()
 
     # -- the engine interface ------------------------------------------------------------------------------
     def free_tokens(self) -> int:
@@ -226,13 +217,16 @@ class TransformersEngine:
 
     def load_weights(self, weights) -> None:
         """Copy new weights into the engine's model in place (no re-allocation). `weights` is a state dict, a
-        model, or (name, tensor) pairs (distributed.gathered_weights); when it is the engine's own model (the CPU trainer may share it) there is nothing to copy.
-        Either way the cached KV of the shared prefix belongs to the old weights and is dropped."""
+        model, or (name, tensor) pairs (distributed.gathered_weights); when it is the engine's own model (the CPU
+        trainer may share it) there is nothing to copy. Either way the decoder's operands (fused, prepacked copies)
+        are rebuilt before the next decode, and the cached KV (the shared prefix's, the rows kept at a tool call)
+        belongs to the old weights and is dropped."""
         import torch
 
         with self._weights_lock:
             self._prefix_kv = None
             self._kept_kv.clear()
+            self._stale = True
             if weights is self.model:
                 return
             state = weights.state_dict() if hasattr(weights, "state_dict") else weights
@@ -240,6 +234,16 @@ class TransformersEngine:
             state = {k.removeprefix("module."): v for k, v in pairs}  # DDP / accelerate wrappers
             with torch.no_grad():
                 self.model.load_state_dict(state, strict=True)  # copy_() into the existing tensors
+
+    def reset_occupancy(self) -> None:
+        self._occ = {"iterations": 0, "rows": 0, "columns": 0, "seconds": 0.0, "tokens": 0}
+
+    def occupancy(self) -> dict:
+        """The iterations since reset_occupancy(): how many, busy rows and longest own context per iteration
+        (means), milliseconds per iteration, tokens forwarded (sampled and prefilled)."""
+        o, n = self._occ, max(self._occ["iterations"], 1)
+        return {"iterations": o["iterations"], "rows_mean": o["rows"] / n, "columns_mean": o["columns"] / n,
+                "ms_per_iteration": 1000 * o["seconds"] / n, "tokens": o["tokens"], "slots": self.max_batch}
 
     # -- the asyncio side ----------------------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -291,157 +295,154 @@ class TransformersEngine:
     def decode_loop(self, take, on_finish) -> None:
         """The continuous-batching loop. take(n, idle) returns up to n waiting items (request first), or None
         when there are none and the batch is idle (the loop then ends); on_finish(item, GenResult)."""
+        import time
+
         import torch
 
-        rows: list[_Row] = []
+        rows: list[_Row] = []             # rows[i] holds KV slot i
         self._in_flight = []
-        cache, logits = None, None
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with self._weights_lock, torch.inference_mode():
+        with self._weights_lock, torch.inference_mode():
+            if self._stale:
+                self.decoder.refresh()
+                self._stale = False
+            self.decoder.cache = self.decoder.new_cache()
+            try:
                 while True:
-                    free = self.max_batch - len(rows)
-                    # admit when a quarter of the rows are free (fewer, costlier merges) or the batch is empty
-                    if not rows or free >= max(1, self.max_batch // 4):
-                        items = take(free, not rows)
-                        if items is None:
-                            self._in_flight = []
-                            return
-                        if items:
-                            self._in_flight = [r.item for r in rows] + items
-                            new_rows, new_cache, new_logits = self._prefill(items)
-                            cache = merge_batches(cache, rows, new_cache, new_rows)
-                            release_freed_memory()  # the old batch's buffers, before they fragment the heap
-                            rows += new_rows
-                            logits = new_logits if logits is None else torch.cat([logits, new_logits])
+                    started = time.perf_counter()
+                    items = take(self.max_batch - len(rows), not rows) if len(rows) < self.max_batch else []
+                    if items is None:
+                        return
+                    ids, pos, shape = [], [], []
+                    for r in rows:        # decoding rows: the token each sampled last
+                        ids.append(r.new_ids[-1])
+                        pos.append(r.next_pos + len(r.new_ids) - 1)
+                        shape.append((1, r.has_prefix))
+                    for item in items:    # admitted rows: what no KV covers of their context
+                        row, todo = self._admit(item, len(rows))
+                        rows.append(row)
+                        ids += row.req.ids[-todo:]
+                        pos += range(len(row.req.ids) - todo, len(row.req.ids))
+                        shape.append((todo, row.has_prefix))
+                    self._in_flight = [r.item for r in rows]
+                    self.waves += bool(items)
+                    logits = self.decoder.forward(ids, pos, shape, self._shared_prefix_kv()
+                                                  if any(r.has_prefix for r in rows) else None)
                     tokens, lps = sample_rows(logits, [r.req.temperature for r in rows], [r.req.top_p for r in rows],
                                               [r.gen for r in rows])
-                    keep = []
+                    done = []
                     for j, row in enumerate(rows):
                         row.new_ids.append(tokens[j])
                         row.new_lps.append(lps[j])
-                        why = finish_reason(self.tokenizer, row.new_ids, row.req, self.eos_ids)
-                        if why is None:
-                            keep.append(j)
-                        else:
+                        why = self._stop(row)
+                        if why is not None:
                             if why == "tool" and row.req.key:   # its continuation comes back after the tool
-                                self._keep_kv(row, j, cache)
+                                self._keep_kv(row, j)
                             on_finish(row.item, GenResult(row.new_ids, row.new_lps, why))
-                    if len(keep) < len(rows):  # drop stopped rows from the batch and its KV cache
-                        rows = [rows[j] for j in keep]
-                        self._in_flight = [r.item for r in rows]
-                        if not rows:
-                            cache, logits = None, None
-                            continue
-                        cache.batch_select_indices(torch.tensor(keep, device=self.device))
-                        cache = trim_padding(cache, rows)
-                    logits = self._decode_step(rows, cache)
-        finally:
-            self.model.train(was_training)
+                            done.append(j)
+                    self._record(rows, ids, started)
+                    rows = self._leave(rows, done)
+            finally:
+                self._in_flight = []
+                self.decoder.cache = None      # the slots' memory goes back (the trainer runs next)
+                release_freed_memory()
 
-    def _forward(self, rows, input_ids, position_ids, cache):
-        import torch
+    def _stop(self, row) -> str | None:
+        """finish_reason of the row's latest token; the stop text is decoded only after a token that holds its
+        last character (an occurrence ends inside the newest token: every earlier one was checked before)."""
+        tok, req = row.new_ids[-1], row.req
+        if tok in self.eos_ids:
+            return "eos"
+        if tok in self._stop_candidates(req.stop_text):
+            return finish_reason(self.tokenizer, row.new_ids, req, self.eos_ids)
+        return "length" if len(row.new_ids) >= req.max_new_tokens else None
 
-        extra = {}
-        if self.prefix_ids:   # shared_prefix_attention: the prefix's KV, and which rows attend to it
-            has_prefix = torch.tensor([r.has_prefix for r in rows], device=self.device)
-            extra["shared_prefix"] = (self._shared_prefix_kv(), has_prefix)
-        width = cache.get_seq_length() + input_ids.shape[1]
-        with output_projection_transposed(self.model):
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask(rows, width, self.device),
-                             position_ids=position_ids, use_cache=True, logits_to_keep=1,
-                             **{self._cache_kw: cache}, **extra)
-        return out.logits[:, -1, :].float()
+    def _stop_candidates(self, stop_text: str) -> set:
+        if stop_text not in self._stop_tokens:
+            self._stop_tokens[stop_text] = tokens_holding(self.tokenizer, stop_text[-1])
+        return self._stop_tokens[stop_text]
+
+    def _record(self, rows, ids, started: float) -> None:
+        import time
+
+        seconds = time.perf_counter() - started
+        columns = max(self.decoder.cache.lens[:len(rows)])
+        for key, value in (("iterations", 1), ("rows", len(rows)), ("columns", columns), ("seconds", seconds),
+                           ("tokens", len(ids))):
+            self._occ[key] += value
+        if self.trace is not None:
+            self.trace.append({"rows": len(rows), "columns": columns, "tokens": len(ids),
+                               "ms": round(1000 * seconds, 2)})
+
+    def _leave(self, rows, done: list[int]):
+        """Drop the stopped rows: each free slot below the new row count takes the KV of a row above it."""
+        if not done:
+            return rows
+        gone = set(done)
+        keep = [r for j, r in enumerate(rows) if j not in gone]
+        holes = [j for j in done if j < len(keep)]
+        movers = [j for j in range(len(keep), len(rows)) if j not in gone]
+        for hole, src in zip(holes, movers):
+            self.decoder.cache.move(src, hole)
+        for j in done:
+            if j >= len(keep):
+                self.decoder.cache.lens[j] = 0
+        order = list(range(len(keep)))
+        for hole, src in zip(holes, movers):
+            order[hole] = src
+        return [rows[j] for j in order]
 
     def _shared_prefix_kv(self):
         """The KV of prefix_ids under the current weights, computed once per weight version."""
-        import torch
-
         if self._prefix_kv is None and self.prefix_ids:
-            self._prefix_kv = prefix_cache(self.model, torch.tensor([self.prefix_ids], device=self.device))
+            self._prefix_kv = self.decoder.prefix_kv(self.prefix_ids)
         return self._prefix_kv
 
-    def _keep_kv(self, row, j: int, cache) -> None:
+    def _keep_kv(self, row, j: int) -> None:
         """Keep row j's own KV columns (its context and all it generated but the last token, whose KV is not
-        computed yet) for the continuation of its trajectory after the tool call: that request then prefills
-        only the tool's response and the tokens after it (_prefill). At most max_batch rows are kept."""
+        computed yet) for the continuation of its trajectory after the tool call (_admit). At most max_batch
+        rows are kept."""
         n = row.own_len + len(row.new_ids) - 1
-        end = cache.get_seq_length()
-        kv = [(layer.keys[j:j + 1, :, end - n:end].clone(), layer.values[j:j + 1, :, end - n:end].clone())
-              for layer in cache.layers]
-        self._kept_kv[row.req.key[:2]] = (row.req.ids + row.new_ids[:-1], row.has_prefix, kv)
+        self._kept_kv[row.req.key[:2]] = (row.req.ids + row.new_ids[:-1], row.has_prefix,
+                                          self.decoder.cache.take(j, n))
         while len(self._kept_kv) > self.max_batch:
             self._kept_kv.popitem(last=False)
 
-    def _kept_kv_for(self, req: GenRequest, has_prefix: bool, own_len: int):
-        """The kept KV of this request's own first tokens (at most own_len - 1 of them: one token at least runs,
-        for its logits), when the kept row's context is where this request's context begins; else None."""
-        kept = self._kept_kv.pop(req.key[:2], None) if req.key else None
-        if kept is None:
-            return None
-        ids, kept_has_prefix, kv = kept
-        if kept_has_prefix != has_prefix or req.ids[:len(ids)] != ids:
-            return None
-        n = min(kv[0][0].shape[2], own_len - 1)
-        return [(k[:, :, :n], v[:, :, :n]) for k, v in kv] if n > 0 else None
-
-    def _prefill(self, items):
-        """Prefill new requests as one batch on top of the shared prefix: returns their rows, their cache
-        (columns: left padding, own tokens; the prefix stays shared) and the logits of their next token.
-
-        A continuation whose trajectory's KV was kept at its tool call (_keep_kv) takes those columns as they
-        are; the forward covers only the last W columns, W = the most tokens any newcomer lacks (the tool's
-        response and what follows it, or a fresh request's whole own context):
-
-            row b:  [padding | kept KV of its first own_len - W tokens | its last W tokens, forwarded]"""
+    def _admit(self, item, slot: int):
+        """A row for this request in `slot`, with the KV kept at its trajectory's tool call when its context
+        begins with that row's context (at most own_len - 1 columns: one token at least runs, for its logits).
+        Returns (row, tokens of its context still to prefill)."""
         import torch
 
+        req = item[0]
         P = len(self.prefix_ids)
-        rows, kept = [], []
-        for req, *_ in items:
-            has_prefix = P > 0 and len(req.ids) > P and req.ids[:P] == self.prefix_ids
-            own = req.ids[P:] if has_prefix else req.ids
-            rows.append(_Row(items[len(rows)], req, torch.Generator(device=self.device).manual_seed(req.seed),
-                             has_prefix, own_len=len(own), next_pos=len(req.ids)))
-            kept.append(self._kept_kv_for(req, has_prefix, len(own)))
-        lacking = [r.own_len - (kv[0][0].shape[2] if kv else 0) for r, kv in zip(rows, kept)]
-        width, W = max(r.own_len for r in rows), max(lacking)
-        ids = torch.full((len(rows), W), self.pad_id, dtype=torch.long)
-        pos = torch.zeros((len(rows), W), dtype=torch.long)
-        for b, row in enumerate(rows):
-            n = min(row.own_len, W)                  # this row's tokens in the forward window
-            ids[b, W - n:] = torch.tensor(row.req.ids[-n:])
-            first = (P if row.has_prefix else 0) + row.own_len - n
-            pos[b, W - n:] = torch.arange(first, first + n)
-            row.start = width - row.own_len
-        cache = new_cache(None)
-        if width > W:   # the kept columns in front of the window (a row with own_len > W has kept KV)
-            some = next(kv for kv in kept if kv)
-            layers = []
-            for i in range(len(some)):
-                k = some[i][0].new_zeros((len(rows), some[i][0].shape[1], width - W, some[i][0].shape[3]))
-                v = torch.zeros_like(k)
-                for b, (row, kv) in enumerate(zip(rows, kept)):
-                    n = row.own_len - W              # columns this row takes from its kept KV
-                    if n > 0:
-                        k[b, :, width - W - n:] = kv[i][0][0, :, :n]
-                        v[b, :, width - W - n:] = kv[i][1][0, :, :n]
-                layers.append((k, v))
-            cache = new_cache(layers, room=W + 1)
-            self.reused_tokens += sum(max(0, r.own_len - W) for r in rows)
-        self.waves += 1
-        self.prefill_tokens += sum(min(r.own_len, W) for r in rows)
-        logits = self._forward(rows, ids.to(self.device), pos.to(self.device), cache)
-        return rows, cache, logits
+        has_prefix = P > 0 and len(req.ids) > P and req.ids[:P] == self.prefix_ids
+        own_len = len(req.ids) - P if has_prefix else len(req.ids)
+        row = _Row(item, req, torch.Generator(device=self.device).manual_seed(req.seed), has_prefix, own_len,
+                   next_pos=len(req.ids))
+        self.decoder.cache.lens[slot] = 0
+        kept = self._kept_kv.pop(req.key[:2], None) if req.key else None
+        if kept is not None:
+            ids, kept_has_prefix, kv = kept
+            n = min(kv.shape[3], own_len - 1)
+            if kept_has_prefix == has_prefix and req.ids[:len(ids)] == ids and n > 0:
+                self.decoder.cache.put(slot, kv[:, :, :, :n])
+                self.reused_tokens += n
+        todo = own_len - self.decoder.cache.lens[slot]
+        self.prefill_tokens += todo
+        return row, todo
 
-    def _decode_step(self, rows, cache):
-        import torch
 
-        dev = self.device
-        step_ids = torch.tensor([[r.new_ids[-1]] for r in rows], device=dev)
-        positions = torch.tensor([[r.next_pos + len(r.new_ids) - 1] for r in rows], device=dev)
-        return self._forward(rows, step_ids, positions, cache)
+_HOLDING: dict = {}   # (tokenizer, its size, character) -> token ids: decoding a vocabulary takes a second
+
+
+def tokens_holding(tokenizer, char: str) -> set:
+    """The ids of the tokens whose decoded text holds `char`."""
+    key = (getattr(tokenizer, "name_or_path", ""), len(tokenizer), type(tokenizer).__name__, char)
+    if key not in _HOLDING:
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False,
+                                       clean_up_tokenization_spaces=False)
+        _HOLDING[key] = frozenset(i for i, t in enumerate(texts) if char in t)
+    return _HOLDING[key]
 
 
 @dataclass
@@ -453,42 +454,8 @@ class _Row:
     has_prefix: bool             # whether its context starts with the engine's shared prefix
     own_len: int                 # context tokens in its own columns (all of them when it has no prefix)
     next_pos: int                # position of its first new token (= its context length)
-    start: int = 0               # first column of its own tokens
     new_ids: list = field(default_factory=list)
     new_lps: list = field(default_factory=list)
-
-
-@contextmanager
-def output_projection_transposed(model):
-    """Inside: the model's output projection (an nn.Linear, weight W [V, H]) computes logits^T = W h^T instead
-    of h W^T: the same numbers, in the order MKL runs 1.6-2x faster for SmolLM2's 49K x 576 W at 8-64 rows
-    (a quarter of a decode step). The head's own product is skipped (a pre-hook hands it zero positions) and
-    its output replaced, so whatever the model does with the logits afterwards still happens."""
-    import torch
-
-    head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        yield
-        return
-    held = []
-
-    def no_positions(_head, args):
-        held.append(args[0])
-        return (args[0][..., :0, :],)
-
-    def transposed(_head, _args, _out):
-        h = held.pop()
-        flat = h.reshape(-1, h.shape[-1])
-        logits = torch.mm(head.weight, flat.T).T.contiguous()
-        logits = logits if head.bias is None else logits + head.bias
-        return logits.view(*h.shape[:-1], -1)
-
-    handles = [head.register_forward_pre_hook(no_positions), head.register_forward_hook(transposed)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def shared_prompt_prefix(tokenizer) -> list[int]:
@@ -502,191 +469,6 @@ def shared_prompt_prefix(tokenizer) -> list[int]:
         n += 1
     return renders[0][:n]
 
-
-def attention_mask(rows, width: int, device):
-    """The 2D mask of the batch's own columns (see TransformersEngine): every column from the row's own start
-    on. (Which rows see the shared prefix, shared_prefix_attention is told separately.)"""
-    import torch
-
-    col = torch.arange(width, device=device)[None, :]
-    start = torch.tensor([r.start for r in rows], device=device)[:, None]
-    return (col >= start).long()
-
-
-SHARED_PREFIX_ATTENTION = "rstar2_shared_prefix"   # the transformers attention implementation registered below
-
-
-def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            shared_prefix=None, **kwargs):
-    """Attention over [shared prefix | the row's own columns] with the prefix's KV held once for the whole batch
-    (a transformers attention function; TransformersEngine passes shared_prefix=(prefix KV per layer, has_prefix
-    [B] bool) with every forward). Without shared_prefix it is transformers' sdpa, so a trainer that shares the
-    engine's model computes exactly what it did.
-
-    Decoding (one query a row) is bound by reading the KV cache: with the ~450-token prefix copied into every
-    row, a batch of 32 reads 32 copies of it in every layer (23% of a decode step, more than the weights). Here
-    the prefix is read once, as one matmul for all rows and heads (GQA: the query heads of a KV head are stacked):
-
-        s_prefix = q K_prefix^T * scale        [kv heads, B * groups, P]     (-inf for rows without the prefix)
-        s_own    = q K_own^T * scale + mask    [B, kv heads, groups, L_own]
-        p = softmax([s_prefix | s_own]),  out = p_prefix V_prefix + p_own V_own
-
-    A prefill (many queries a row) concatenates the prefix to the row's columns and runs sdpa (its flash kernel
-    never holds the whole score matrix)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if shared_prefix is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    import torch
-
-    layers, has_prefix = shared_prefix
-    pk, pv = layers[module.layer_idx]                      # [1, kv heads, P, d]
-    B, H, Q, d = query.shape
-    kvh, P = key.shape[1], pk.shape[2]
-    g = H // kvh
-    scale = scaling if scaling is not None else d ** -0.5
-    own_mask = attention_mask[:, :, :, -key.shape[2]:].bool()   # [B, 1, Q, L_own], True = attend
-    prefix_mask = has_prefix.view(B, 1, 1, 1).expand(B, 1, Q, P)
-    if Q > 1:   # prefill: the prefix in front of every row's own columns, then sdpa
-        keys = torch.cat([pk.expand(B, -1, -1, -1), key], dim=2)
-        values = torch.cat([pv.expand(B, -1, -1, -1), value], dim=2)
-        mask = torch.cat([prefix_mask, own_mask], dim=-1)
-        return sdpa_attention_forward(module, query, keys, values, mask, dropout=dropout, scaling=scale, **kwargs)
-    q = query.reshape(B, kvh, g, d)                                               # head h = kv head h // g
-    s_prefix = torch.matmul(q.transpose(0, 1).reshape(kvh, B * g, d), pk[0].transpose(1, 2))
-    s_prefix = s_prefix.view(kvh, B, g, P).transpose(0, 1)                        # [B, kv heads, g, P]
-    s_own = torch.matmul(q, key.transpose(2, 3))                                  # [B, kv heads, g, L_own]
-    scores = torch.cat([s_prefix, s_own], dim=-1).float() * scale
-    scores = scores.masked_fill(~torch.cat([prefix_mask, own_mask], dim=-1).view(B, 1, 1, -1), float("-inf"))
-    p = torch.softmax(scores, dim=-1).to(value.dtype)
-    out_prefix = torch.matmul(p[..., :P].transpose(0, 1).reshape(kvh, B * g, P), pv[0]).view(kvh, B, g, d)
-    out = out_prefix.transpose(0, 1) + torch.matmul(p[..., P:], value)           # [B, kv heads, g, d]
-    return out.reshape(B, H, 1, d).transpose(1, 2), None                         # [B, 1, H, d], as sdpa returns
-
-
-def use_shared_prefix_attention(model) -> None:
-    """Register shared_prefix_attention with transformers and switch the model to it (it is sdpa whenever no
-    shared prefix is passed). Its mask is sdpa's, always materialised (never skipped for is_causal)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    def always_a_mask(*args, **kwargs):
-        return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
-
-    AttentionInterface.register(SHARED_PREFIX_ATTENTION, shared_prefix_attention)
-    AttentionMaskInterface.register(SHARED_PREFIX_ATTENTION, always_a_mask)
-    model.set_attn_implementation(SHARED_PREFIX_ATTENTION)
-
-
-def growing_kv_layer():
-    """A transformers cache layer whose keys and values live in a buffer with room to grow (by a quarter when
-    full), so appending a token writes one column instead of copying the whole cache (DynamicLayer concatenates
-    at every step: at 32 rows of 700 tokens that moves ~1 GB per step; measured 15-20% of a decode step).
-    Built on first use, so importing this module needs no torch."""
-    global _GrowingKVLayer
-    if _GrowingKVLayer is None:
-        from transformers.cache_utils import DynamicLayer
-
-        class GrowingKVLayer(DynamicLayer):
-            def update(self, key_states, value_states, *args, **kwargs):
-                if not self.is_initialized:
-                    self.lazy_initialization(key_states, value_states)
-                    self.set(key_states[:, :, :0], value_states[:, :, :0], room=key_states.shape[-2] + 128)
-                n, add = self.keys.shape[-2], key_states.shape[-2]
-                if n + add > self.k_buf.shape[-2]:  # grow by a quarter (at least 128 columns): bounded waste
-                    self.set(self.keys, self.values, room=max(add + n // 4, 128))
-                self.k_buf[:, :, n:n + add] = key_states
-                self.v_buf[:, :, n:n + add] = value_states
-                self.keys, self.values = self.k_buf[:, :, :n + add], self.v_buf[:, :, :n + add]
-                return self.keys, self.values
-
-            def set(self, keys, values, room: int = 64):
-                """Hold these keys and values, with room for `room` more columns."""
-                import torch
-
-                b, h, n, d = keys.shape
-                self.k_buf = keys.new_empty((b, h, n + room, d))
-                self.v_buf = torch.empty_like(self.k_buf)
-                self.k_buf[:, :, :n], self.v_buf[:, :, :n] = keys, values
-                self.keys, self.values = self.k_buf[:, :, :n], self.v_buf[:, :, :n]
-                self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
-
-            def hold(self, k_buf, v_buf, n: int):
-                """Take over these buffers (rows, heads, columns with room, dim); the first n columns are filled."""
-                self.k_buf, self.v_buf = k_buf, v_buf
-                self.keys, self.values = k_buf[:, :, :n], v_buf[:, :, :n]
-                self.device, self.dtype, self.is_initialized = k_buf.device, k_buf.dtype, True
-
-            def batch_select_indices(self, indices):  # one copy of the kept rows, room included
-                self.hold(self.k_buf[indices], self.v_buf[indices], self.keys.shape[-2])
-
-        _GrowingKVLayer = GrowingKVLayer
-    return _GrowingKVLayer
-
-
-_GrowingKVLayer = None
-
-
-def new_cache(layers_kv, batch: int | None = None, room: int = 64):
-    """A transformers cache of growing layers; layers_kv: [(keys, values)] per layer (expanded to `batch` rows
-    when given, with room for `room` more columns) or None for an empty cache."""
-    from transformers import DynamicCache
-
-    layer_class = growing_kv_layer()
-    cache = DynamicCache()
-    cache.layer_class_to_replicate = layer_class
-    for keys, values in layers_kv or []:
-        layer = layer_class()
-        if batch is not None:
-            keys, values = keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1)
-        layer.set(keys, values, room)
-        cache.layers.append(layer)
-    return cache
-
-
-def merge_batches(cache, rows, new, new_rows):
-    """Stack the newcomers' cache under the running batch's, left-padding the shorter one so both end in the
-    same column (every row appends its next token there). Written straight into one new buffer per layer (with
-    room to grow), so the batch's KV is copied once."""
-    if cache is None:
-        return new
-    width, new_width = cache.get_seq_length(), new.get_seq_length()
-    target = max(width, new_width)
-    for r in rows:
-        r.start += target - width
-    for r in new_rows:
-        r.start += target - new_width
-    merged = new_cache(None)
-    for old_layer, new_layer in zip(cache.layers, new.layers):
-        bufs = []
-        for a, b in ((old_layer.keys, new_layer.keys), (old_layer.values, new_layer.values)):
-            buf = a.new_zeros((a.shape[0] + b.shape[0], a.shape[1], target + 128, a.shape[3]))
-            for rows_, x, shift in ((slice(0, a.shape[0]), a, target - width),
-                                    (slice(a.shape[0], None), b, target - new_width)):
-                buf[rows_, :, shift:target] = x                                  # right-aligned
-            bufs.append(buf)
-        layer = growing_kv_layer()()
-        layer.hold(*bufs, target)
-        merged.layers.append(layer)
-    return merged
-
-
-def trim_padding(cache, rows, slack: int = 64):
-    """Drop the padding columns that every remaining row masks (left by rows that left the batch), once there
-    are at least `slack` of them: attention then runs over fewer columns. In place: the own-token columns move
-    left inside the existing buffers."""
-    waste = min(r.start for r in rows)
-    if waste < slack:
-        return cache
-    for r in rows:
-        r.start -= waste
-    for layer in cache.layers:
-        n = layer.keys.shape[-2]
-        for buf in (layer.k_buf, layer.v_buf):
-            buf[:, :, :n - waste] = buf[:, :, waste:n].clone()
-        layer.hold(layer.k_buf, layer.v_buf, n - waste)
-    return cache
 
 
 class SimulatedEngine:

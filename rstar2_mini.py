@@ -120,18 +120,26 @@ def rollout_seed(use: str, seed: int, step: int = 0, round_: int = 0) -> int:
 
 
 def generate_groups(rt: Runtime, cfg: Config, problems, n: int, seed: int, temperature=None, max_turns=None,
-                    progress=True):
-    """problems -> n trajectories each, graded: traj.reward = 1.0 if its final boxed answer is right."""
+                    progress=True, retry_seeds=()):
+    """problems -> n trajectories each, graded: traj.reward = 1.0 if its final boxed answer is right. With
+    retry_seeds, an all-wrong group is sampled again as soon as it is graded (scheduler.Retry); returns
+    (groups, the replaced (problem, group) pairs) then."""
     import eval as grader
     import scheduler
 
+    reward_fn = rt.reward_fn or grader.reward
+
+    def grade(pi, group):
+        for traj in group:
+            traj.reward = reward_fn(traj.model_text, problems[pi].answer)
+    retry = scheduler.Retry(grade, list(retry_seeds)) if retry_seeds else None
     groups = scheduler.run_rollouts(rt.engines, rt.pool, rt.tokenizer, [(p.id, p.question) for p in problems], n,
                                     rollout_config(cfg, temperature, max_turns), seed=seed, progress=progress,
-                                    loop=rt.loop)
-    reward_fn = rt.reward_fn or grader.reward
-    for p, group in zip(problems, groups):
-        for traj in group:
-            traj.reward = reward_fn(traj.model_text, p.answer)
+                                    loop=rt.loop, retry=retry)
+    if retry is not None:
+        return groups, [(problems[pi], group) for pi, group in retry.spent]
+    for pi, group in enumerate(groups):
+        grade(pi, group)
     return groups
 
 
@@ -146,7 +154,9 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
     """Rollouts for one step with dynamic sampling and GRPO-RoC. Returns (kept, stats, cursor, all rollouts):
     kept = [(trajectory, advantage)], the G kept rollouts of each informative group."""
     import grpo_roc
+    import scheduler
 
+    scheduler.occupancy_stats(rt.engines if rt else [], reset=True)   # this step's rollout phase starts
     n = cfg.group_size * cfg.oversample  # 2G rollouts per problem (paper: 32)
     informative, drawn, all_trajs, flattened, resampled, solved = [], 0, [], 0, 0, []
     kept, kept_pos, all_pos, dropped_pos = [], [], [], []
@@ -159,8 +169,7 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         problems = [problem_at(cursor + i) for i in range(need)]
         cursor += need
         drawn += need
-        groups = generate_groups(rt, cfg, problems, n, seed=rollout_seed("train", cfg.seed, step, round_))
-        groups, spent = resample_all_wrong(rt, cfg, problems, groups, n, step, round_)
+        groups, spent = resample_all_wrong(rt, cfg, problems, n, step, round_)
         resampled += len(spent)
         for p, group in spent + list(zip(problems, groups)):   # every rollout generated counts in the stats
             all_trajs.extend(group)
@@ -225,26 +234,22 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
         "finish_length_frac": mean(1.0 if t.finish_reason == "length" else 0.0 for t in all_trajs),
         "answer_format_rate": mean(1.0 if t.answer_tags else 0.0 for t in all_trajs),
         "rollouts_by_cell": by_cell,
+        **scheduler.occupancy_stats(rt.engines if rt else []),       # busy rows per decode iteration, ...
     }
     return kept, stats, cursor, all_trajs
 
 
-def resample_all_wrong(rt: Runtime, cfg: Config, problems, groups, n: int, step: int, round_: int):
-    """More rollouts for rare successes: a problem whose 2G rollouts are all wrong is sampled again with fresh
-    uniforms, up to cfg.retry_all_wrong times. An all-wrong group has zero advantage and is dropped; a wording the
-    policy solves 1 time in 40 is right somewhere in 8 rollouts 18% of the time, in 16 rollouts 33%
+def resample_all_wrong(rt: Runtime, cfg: Config, problems, n: int, step: int, round_: int):
+    """A round's groups with more rollouts for rare successes: a problem whose 2G rollouts are all wrong is
+    sampled again with fresh uniforms, up to cfg.retry_all_wrong times, as soon as its group is graded (while the
+    round's other groups still run: scheduler.Retry). An all-wrong group has zero advantage and is dropped; a
+    wording the policy solves 1 time in 40 is right somewhere in 8 rollouts 18% of the time, in 16 rollouts 33%
     (1 - (39/40)^n). Returns (groups, spent): the groups to train from, and the (problem, group) pairs replaced."""
-    groups, spent = list(groups), []
-    for attempt in range(cfg.retry_all_wrong):
-        again = [k for k, g in enumerate(groups) if not any(t.reward > 0 for t in g)]
-        if not again:
-            break
-        fresh = generate_groups(rt, cfg, [problems[k] for k in again], n,
-                                seed=rollout_seed("retry", cfg.seed, step, round_ * 1000 + attempt))
-        for k, group in zip(again, fresh):
-            spent.append((problems[k], groups[k]))
-            groups[k] = group
-    return groups, spent
+    seed = rollout_seed("train", cfg.seed, step, round_)
+    if not cfg.retry_all_wrong:
+        return generate_groups(rt, cfg, problems, n, seed=seed), []
+    return generate_groups(rt, cfg, problems, n, seed=seed, retry_seeds=[
+        rollout_seed("retry", cfg.seed, step, round_ * 1000 + attempt) for attempt in range(cfg.retry_all_wrong)])
 
 
 def heldout_accuracy(rt: Runtime, cfg: Config, problems, split: str = "heldout") -> dict:

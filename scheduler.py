@@ -40,6 +40,7 @@ CPU against a turn-synchronous loop). vllm_engine.py says how to check it on a G
 Modules (imports flow one way: protocol <- engines <- vllm_engine <- scheduler):
     protocol.py     the prompt, token encoding, Segment / Trajectory, count_answer_blocks (section 2.1)
     engines.py      GenRequest / GenResult, TransformersEngine, SimulatedEngine, virtual_time_loop
+    slot_engine.py  TransformersEngine's forward: a Llama-family decoder over slot KV
     vllm_engine.py  VLLMEngine and its weight loader, placement, shutdown (vLLM imported only when used)
     scheduler.py    (this file) tool-call parsing and running, RolloutConfig, the Scheduler, the rollout loop,
                     sync_weights; it re-exports the names above, so `scheduler.X` works for all of them.
@@ -51,7 +52,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from engines import (GenRequest, GenResult, SimulatedEngine, TransformersEngine,  # noqa: F401 (re-exported)
                      eos_token_ids, finish_reason, request_seed, sample_rows, virtual_time_loop)
@@ -407,10 +409,24 @@ async def rollout_one(sched: Scheduler, pool, tokenizer, cfg: RolloutConfig, see
     return traj
 
 
+@dataclass
+class Retry:
+    """A problem whose group is all wrong is sampled again the moment its group is graded, while the other groups
+    still run (rstar2_mini's retry_all_wrong: waiting for the round's end left the engine mostly empty for a
+    second ramp): attempt a draws with seeds[a] for the same problem index. grade(problem index, group) sets each
+    trajectory's reward; spent collects (problem index, replaced group). In the barrier mode (deterministic) the
+    retries start after the round, so the waves stay reproducible."""
+    grade: Callable
+    seeds: list
+    spent: list = field(default_factory=list)
+
+
 async def rollout_groups(engines: list, pool, tokenizer, problems: list[tuple[str, str]], n_per_problem: int,
-                         cfg: RolloutConfig, seed: int, progress: bool = True) -> list[list[Trajectory]]:
+                         cfg: RolloutConfig, seed: int, progress: bool = True,
+                         retry: Retry | None = None) -> list[list[Trajectory]]:
     """All n_per_problem trajectories of every problem, concurrently. Returns groups in problem order, each
-    group in sample order. Runs on the caller's event loop (the one the sandbox pool lives on)."""
+    group in sample order (a retried problem's last group). Runs on the caller's event loop (the one the sandbox
+    pool lives on)."""
     from tqdm.auto import tqdm
 
     prompts = [render_prompt(tokenizer, question, cfg.tool_state) for _, question in problems]
@@ -420,36 +436,60 @@ async def rollout_groups(engines: list, pool, tokenizer, problems: list[tuple[st
                          f"budget does not fit in any engine's KV capacity ({biggest} tokens)")
     sched = Scheduler(engines, cfg, len(problems), n_per_problem)
     bar = tqdm(total=len(problems) * n_per_problem, desc="rollouts", unit="traj", disable=not progress)
+    round_done, first_rounds = asyncio.Event(), [len(problems)]
 
     slots = session_slots(pool, cfg)
 
-    async def one(pi: int, si: int) -> Trajectory:
-        if slots is None:
-            traj = await rollout_one(sched, pool, tokenizer, cfg, seed, pi, si, problems[pi][0], prompts[pi])
-        else:  # a persistent session each: no more trajectories at once than the pool holds sessions
-            sched.busy -= 1  # (waiting for a slot is not running: deterministic waves form without it)
-            sched.dispatch()
-            async with slots:
-                sched.busy += 1
-                traj = await rollout_one(sched, pool, tokenizer, cfg, seed, pi, si, problems[pi][0], prompts[pi])
-        bar.update(1)
-        return traj
+    async def sample(pi: int, seed_: int) -> list[Trajectory]:
+        async def one(si: int) -> Trajectory:
+            if slots is None:
+                traj = await rollout_one(sched, pool, tokenizer, cfg, seed_, pi, si, problems[pi][0], prompts[pi])
+            else:  # a persistent session each: no more trajectories at once than the pool holds sessions
+                sched.busy -= 1  # (waiting for a slot is not running: deterministic waves form without it)
+                sched.dispatch()
+                async with slots:
+                    sched.busy += 1
+                    traj = await rollout_one(sched, pool, tokenizer, cfg, seed_, pi, si, problems[pi][0],
+                                             prompts[pi])
+            bar.update(1)
+            return traj
+        return list(await asyncio.gather(*(one(si) for si in range(n_per_problem))))
+
+    async def group(pi: int) -> list[Trajectory]:
+        trajs = await sample(pi, seed)
+        if retry is None:
+            return trajs
+        retry.grade(pi, trajs)
+        first_rounds[0] -= 1
+        if first_rounds[0] == 0:
+            round_done.set()
+        for seed_ in retry.seeds:
+            if any(t.reward > 0 for t in trajs):
+                break
+            if cfg.deterministic:
+                await round_done.wait()
+            retry.spent.append((pi, trajs))
+            sched.busy += n_per_problem     # trajectories neither waiting nor finished (the barrier's count)
+            bar.total += n_per_problem
+            trajs = await sample(pi, seed_)
+            retry.grade(pi, trajs)
+        return trajs
 
     try:
-        trajs = await asyncio.gather(*(one(pi, si) for pi in range(len(problems)) for si in range(n_per_problem)))
+        groups = await asyncio.gather(*(group(pi) for pi in range(len(problems))))
         await asyncio.gather(*(e.worker for e in engines if getattr(e, "worker", None) and not e.worker.done()))
     finally:
         bar.close()
-    return [trajs[pi * n_per_problem:(pi + 1) * n_per_problem] for pi in range(len(problems))]
+    return list(groups)
 
 
 def run_rollouts(engines: list, pool, tokenizer, problems: list[tuple[str, str]], n_per_problem: int,
                  cfg: RolloutConfig, seed: int, progress: bool = True,
-                 loop: asyncio.AbstractEventLoop | None = None) -> list[list[Trajectory]]:
+                 loop: asyncio.AbstractEventLoop | None = None, retry: Retry | None = None) -> list[list[Trajectory]]:
     """Synchronous entry point for the trainer: loop.run_until_complete(rollout_groups(...)). Pass the event loop
     that the sandbox pool was started on and keep it across steps; without one, a fresh loop is used and closed
     (only for pools that are not bound to a loop)."""
-    coro = rollout_groups(engines, pool, tokenizer, problems, n_per_problem, cfg, seed, progress)
+    coro = rollout_groups(engines, pool, tokenizer, problems, n_per_problem, cfg, seed, progress, retry)
     if loop is not None:
         return loop.run_until_complete(coro)
     fresh = asyncio.new_event_loop()
@@ -457,6 +497,26 @@ def run_rollouts(engines: list, pool, tokenizer, problems: list[tuple[str, str]]
         return fresh.run_until_complete(coro)
     finally:
         fresh.close()
+
+
+def occupancy_stats(engines: list, reset: bool = False) -> dict:
+    """The rollout phase's occupancy for metrics.jsonl, over the engines that trace it (TransformersEngine): decode
+    iterations, busy rows per iteration (mean, against engine_slots), longest own context per iteration (mean), ms
+    per iteration. reset=True starts a new phase."""
+    traced = [e for e in engines if hasattr(e, "occupancy")]
+    if reset:
+        for e in traced:
+            e.reset_occupancy()
+        return {}
+    if not traced:
+        return {}
+    occ = [e.occupancy() for e in traced]
+    n = sum(o["iterations"] for o in occ) or 1
+    return {"rollout_iterations": sum(o["iterations"] for o in occ),
+            "rollout_rows_mean": round(sum(o["rows_mean"] * o["iterations"] for o in occ) / n, 2),
+            "rollout_columns_mean": round(sum(o["columns_mean"] * o["iterations"] for o in occ) / n, 1),
+            "rollout_ms_per_iteration": round(sum(o["ms_per_iteration"] * o["iterations"] for o in occ) / n, 1),
+            "engine_slots": sum(o["slots"] for o in occ)}
 
 
 def sync_weights(engines: list, weights) -> None:

@@ -11,10 +11,15 @@ trainer log-prob mismatch.
     python bench/bench_rl_step.py --model runs/rstar2/sft/model            # an SFT checkpoint (tool calls)
     python bench/bench_rl_step.py --model M --baseline 11474cd --rounds 2 --steps 1 --set engine_batch=32
 
-The rollouts of the two arms are not token-identical (the samplers differ); the step's shape is: same
-problems, same lengths budget. The last line printed is one JSON object; with it the decode shape's fp32 and bf16
-matmul rates on this CPU, timed before the arms run, and each arm's rollout-phase share of the rate of the dtype
-its engine runs in (bench/roofline.py; precision=auto: bf16 where the CPU has bf16 units).
+The rollouts of the two arms are not token-identical in bf16 (the engines' arithmetic differs in its last bits);
+the step's shape is: same problems, same lengths budget. The last line printed is one JSON object; with it the
+decode shape's fp32 and bf16 matmul rates on this CPU, timed before the arms run, each arm's rollout-phase share of
+the rate of the dtype its engine runs in (bench/roofline.py; precision=auto: bf16 where the CPU has bf16 units),
+and, where the arm records its occupancy (rollout_rows_mean, ...: the current engine), the rollout phase's share
+of its floor: iterations x the per-iteration floor at the mean rows and columns / the phase's time
+(roofline.iteration_floor_ms, at the cold GEMM rate and STREAM bandwidth); the update's share of its floor:
+6 x parameters FLOPs a trained token (forward and backward) at the cold GEMM rate of 1024 rows (the trainer's
+micro-batch shape) / the update's time.
 """
 
 import argparse
@@ -30,7 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BASELINE = "11474cd"   # the engine and update before shared-prefix attention and the once-a-pass system prompt
+BASELINE = "050bc57"   # the engine before slot KV (issue 54): padded batch, whole-KV re-index at every exit
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--model", required=True, help="an SFT checkpoint directory (the bundled base model makes "
@@ -51,10 +56,19 @@ sys.path.insert(0, str(ROOT / "bench"))
 import model as models  # noqa: E402
 import roofline  # noqa: E402
 
+import torch  # noqa: E402
+
 policy = models.load_model(model)
 engine_batch = int(next((s.split("=", 1)[1] for s in args.set if s.startswith("engine_batch=")), 64))
 rates = roofline.decode_rates(policy, engine_batch)   # GFLOPS of the decode shape on this CPU, fp32 and bf16
-engine_rate = rates["bfloat16" if models.bf16_is_fast("cpu") else "float32"]
+engine_dtype = torch.bfloat16 if models.bf16_is_fast("cpu") else torch.float32
+engine_rate = rates[str(engine_dtype).removeprefix("torch.")]
+engine_model = policy.to(engine_dtype)
+cold_rate = roofline.cold_gemm_gflops(engine_model, engine_batch, engine_dtype,
+                                      prepack=engine_dtype == torch.bfloat16)
+update_rate = roofline.cold_gemm_gflops(engine_model, 1024, engine_dtype)
+bandwidth = roofline.stream_gbs()
+prefix = len(__import__("engines").shared_prompt_prefix(models.load_tokenizer(model)))
 
 
 def export(rev: str, dest: Path) -> Path:
@@ -92,7 +106,26 @@ def run_arm(tree: Path, out: Path, extra: list[str]) -> list[dict]:
 
 
 KEYS = ("rollout_time_s", "step_time_s", "gen_tokens_per_s", "train_tokens_per_s", "peak_mem_gb",
-        "logprob_diff_mean", "logprob_diff_max", "response_len")
+        "logprob_diff_mean", "logprob_diff_max", "response_len", "rollout_iterations", "rollout_rows_mean",
+        "rollout_columns_mean", "rollout_ms_per_iteration", "train_tokens", "problems_resampled")
+
+
+def floor_shares(row: dict) -> dict:
+    """The rollout phase's and the update's share of their floors (module docstring), for one step."""
+    out = {}
+    if row.get("rollout_iterations"):
+        floor = roofline.iteration_floor_ms(engine_model, row["rollout_rows_mean"], row["rollout_columns_mean"],
+                                            prefix, cold_rate, bandwidth, torch.finfo(engine_dtype).bits // 8)
+        out["rollout_share_of_floor"] = round(row["rollout_iterations"] * floor["floor_ms"]
+                                              / (1000 * row["rollout_time_s"]), 3)
+        out["iteration_share_of_floor"] = round(floor["floor_ms"] / row["rollout_ms_per_iteration"], 3)
+    update_s = row["step_time_s"] - row["rollout_time_s"]
+    if row.get("train_tokens") and update_s > 0:
+        out["update_share_of_floor"] = round(row["train_tokens"] * roofline.flops_per_token(engine_model) * 3
+                                             / (update_rate * 1e9) / update_s, 3)
+    return out
+
+SHARES = ("rollout_share_of_floor", "iteration_share_of_floor", "update_share_of_floor")
 
 with tempfile.TemporaryDirectory(prefix="bench_rl_step-") as tmp:
     tmp = Path(tmp)
@@ -103,7 +136,8 @@ with tempfile.TemporaryDirectory(prefix="bench_rl_step-") as tmp:
             rows = run_arm(trees[arm], tmp / f"{arm}-{r}", args.set_current if arm == "current" else [])
             results[arm] += rows
             for row in rows:
-                print(json.dumps({"arm": arm, "round": r, **{k: row.get(k) for k in KEYS}}), flush=True)
+                row.update(floor_shares(row))
+                print(json.dumps({"arm": arm, "round": r, **{k: row.get(k) for k in KEYS + SHARES}}), flush=True)
             shutil.rmtree(tmp / f"{arm}-{r}")
 
 
@@ -112,12 +146,16 @@ def mean(arm: str, key: str):
     return float(f"{statistics.mean(values):.4g}") if values else None
 
 
-summary = {f"{arm}_{k}": mean(arm, k) for arm in ("baseline", "current") for k in KEYS}
+summary = {f"{arm}_{k}": mean(arm, k) for arm in ("baseline", "current") for k in KEYS + SHARES}
 summary |= {"step_speedup": round(summary["baseline_step_time_s"] / summary["current_step_time_s"], 3),
             "rollout_speedup": round(summary["baseline_rollout_time_s"] / summary["current_rollout_time_s"], 3),
             "update_speedup": round((summary["baseline_step_time_s"] - summary["baseline_rollout_time_s"])
-                                    / (summary["current_step_time_s"] - summary["current_rollout_time_s"]), 3),
-            "host": models.cpu_kind(), "decode_matmul_gflops": rates,
+                                    / (summary["current_step_time_s"] - summary["current_rollout_time_s"]), 3)
+            if summary["current_step_time_s"] > summary["current_rollout_time_s"] else None,   # no update ran
+            "gen_tokens_per_s_ratio": round(summary["current_gen_tokens_per_s"]
+                                            / summary["baseline_gen_tokens_per_s"], 3),
+            "host": models.cpu_kind(), "decode_matmul_gflops": rates, "cold_gemm_gflops": round(cold_rate, 1),
+            "update_gemm_gflops": round(update_rate, 1), "stream_gbs": round(bandwidth, 1),
             **{f"{arm}_rollout_share_of_rate": round(roofline.share_of_rate(summary[f"{arm}_gen_tokens_per_s"], policy,
                                                                             engine_rate), 3)
                for arm in ("baseline", "current") if summary[f"{arm}_gen_tokens_per_s"]},

@@ -56,3 +56,83 @@ def decode_rates(model, rows: int) -> dict:
 def share_of_rate(tokens_per_s: float, model, gflops: float) -> float:
     """The engine's share of the matmul rate: tokens/s x FLOPs a token / the rate."""
     return tokens_per_s * flops_per_token(model) / (gflops * 1e9)
+
+
+# ---- the floor of a real decode iteration: weights that are not in cache, and the memory bandwidth
+#
+# A decode iteration of B rows streams every weight once (~270 MB in bf16 for SmolLM2-135M: no cache holds it)
+# and each row's own keys and values (layers x 2 x kv heads x head dim per column). Its floor is
+#
+#     floor = max(FLOPs / cold GEMM rate, bytes / bandwidth),
+#     FLOPs = B x flops_per_token + 4 x B x (P + L) x layers x heads x head dim     (attention: scores and values)
+#     bytes = weight bytes + B x L x kv bytes per column + P x kv bytes per column  (the prefix read once)
+
+
+def layer_weights(model, dtype):
+    """The model's 2-D weights in `dtype`, in the order a forward reads them (the head last)."""
+    ws = [p.detach().to(dtype) for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name]
+    head = model.get_output_embeddings().weight
+    return ws + ([] if any(w.data_ptr() == head.data_ptr() for w in ws) else [head.detach().to(dtype)])
+
+
+def cold_gemm_gflops(model, rows: int, dtype, prepack: bool = False, seconds: float = 2.0) -> float:
+    """GFLOPS of one pass over every weight of the model ([rows x in] @ W^T each), cold: the pass reads more than
+    any cache holds, as a decode iteration does. prepack: oneDNN-prepacked bf16 weights (what the engine runs)."""
+    import torch
+    import torch.nn.functional as F
+
+    ws = layer_weights(model, dtype)
+    if prepack:
+        ws = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in ws]
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(dtype) for w in layer_weights(model, dtype)}
+        shapes = [w.shape for w in layer_weights(model, dtype)]
+
+        def run():
+            for w, (_, k) in zip(ws, shapes):
+                torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+    else:
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(dtype) for w in ws}
+
+        def run():
+            for w in ws:
+                F.linear(xs[w.shape[1]], w)
+    flops = 2 * rows * sum(w.numel() for w in layer_weights(model, dtype))
+    run()
+    best, started = float("inf"), time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        t = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t)
+    return flops / best / 1e9
+
+
+def stream_gbs(mb: int = 256, seconds: float = 2.0) -> float:
+    """Memory bandwidth in GB/s, STREAM's triad a = b + s c on fp32 arrays of `mb` MB each (3 x mb moved a pass;
+    on all the threads torch uses)."""
+    import torch
+
+    n = mb * (1 << 20) // 4
+    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
+    torch.add(b, c, alpha=3.0, out=a)
+    best, started = float("inf"), time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        t = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        best = min(best, time.perf_counter() - t)
+    return 3 * n * 4 / best / 1e9
+
+
+def iteration_floor_ms(model, rows: float, columns: float, prefix: int, gflops: float, gbs: float,
+                       dtype_bytes: int) -> dict:
+    """The floor of one decode iteration of `rows` rows with `columns` own columns each (see above), in ms, and
+    which bound sets it."""
+    cfg = model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_col = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * d * dtype_bytes
+    flops = rows * flops_per_token(model) + 4 * rows * (prefix + columns) * cfg.num_hidden_layers \
+        * cfg.num_attention_heads * d
+    weight_bytes = sum(w.numel() for w in layer_weights(model, model.dtype)) * dtype_bytes
+    moved = weight_bytes + (rows * columns + prefix) * kv_col
+    compute_ms, memory_ms = 1e3 * flops / (gflops * 1e9), 1e3 * moved / (gbs * 1e9)
+    return {"floor_ms": round(max(compute_ms, memory_ms), 2), "compute_ms": round(compute_ms, 2),
+            "memory_ms": round(memory_ms, 2), "bound": "memory" if memory_ms > compute_ms else "compute"}

@@ -586,8 +586,8 @@ def test_inverse_cdf_gives_every_token_its_softmax_share_at_the_real_vocabulary_
     gen = torch.Generator().manual_seed(0)
     logits = torch.stack([torch.randn(V, generator=gen) * s for s in spreads])
     tokens, _ = engines.sample_rows(logits, temps, [1.0] * 4, [torch.Generator().manual_seed(i) for i in range(4)])
-    assert len(searched) == 4
-    for row, (cdf, point) in enumerate(searched):
+    assert len(searched) == 1                                              # all rows at once
+    for row, (cdf, point) in enumerate(zip(*searched[0])):
         z = logits[row].double().numpy() / temps[row]
         p = np.exp(z - z.max())
         p /= p.sum()                                                       # the oracle: softmax in float64
@@ -598,38 +598,6 @@ def test_inverse_cdf_gives_every_token_its_softmax_share_at_the_real_vocabulary_
         assert lost == 0 and tv < 1e-6, f"row {row}: {lost} tokens with p > 1e-12 never drawn, TV {tv:.2e}"
         assert c[tokens[row] - 1] <= float(point) < c[tokens[row]] if tokens[row] else float(point) < c[0]
         assert float(point) != float(np.float32(float(point))), f"row {row}: the point searched has 24 bits"
-
-
-def test_shared_prefix_attention_equals_attention_written_out_on_each_rows_cache():
-    """The engine's attention (the prefix's KV held once for all rows, GQA heads stacked into one matmul) against
-    softmax(q k^T / sqrt(d) + mask) v written out on each row's own full cache [prefix | own columns], with
-    padding, rows that do not see the prefix, and one query a row (decode) or several (prefill)."""
-    import types
-
-    import engines
-
-    torch.manual_seed(0)
-    B, H, kvh, d, P, L = 3, 6, 2, 8, 11, 7
-    module = types.SimpleNamespace(layer_idx=0, num_key_value_groups=H // kvh, is_causal=True)
-    pk, pv = torch.randn(1, kvh, P, d), torch.randn(1, kvh, P, d)
-    has_prefix = torch.tensor([True, False, True])
-    for Q in (1, 4):
-        q, k, v = torch.randn(B, H, Q, d), torch.randn(B, kvh, L, d), torch.randn(B, kvh, L, d)
-        own = torch.ones(B, 1, Q, L, dtype=torch.bool)
-        own[0, :, :, :2] = False                                     # left padding
-        own[2, :, :, :5] = False
-        if Q > 1:
-            own &= torch.ones(Q, L, dtype=torch.bool).tril(L - Q)    # causal within the own columns
-        got, _ = engines.shared_prefix_attention(module, q, k, v, own, scaling=d ** -0.5,
-                                                 shared_prefix=([(pk, pv)], has_prefix))
-        # the plain computation: every row's own [prefix | own] keys, KV heads repeated for their query heads
-        keys = torch.cat([pk.expand(B, -1, -1, -1), k], 2).repeat_interleave(H // kvh, dim=1)
-        values = torch.cat([pv.expand(B, -1, -1, -1), v], 2).repeat_interleave(H // kvh, dim=1)
-        mask = torch.cat([has_prefix.view(B, 1, 1, 1).expand(B, 1, Q, P), own], -1)
-        scores = (q @ keys.transpose(2, 3) * d ** -0.5).masked_fill(~mask, float("-inf"))
-        want = (torch.softmax(scores, -1) @ values).transpose(1, 2)
-        assert got.shape == want.shape == (B, Q, H, d)
-        assert torch.allclose(got, want, atol=1e-5), (Q, (got - want).abs().max())
 
 
 def test_engine_matches_generate_and_trainer_logprobs(tokenizer, tiny):
@@ -721,7 +689,7 @@ def test_a_continuation_reuses_the_kv_kept_at_its_tool_call_and_gets_what_it_get
     got = wave(engine, second[:2])
     assert engine.reused_tokens >= sum(len(first[i].ids) - len(engine.prefix_ids) + len(turn1[i].token_ids) - 1
                                        for i in range(2))
-    # a continuation with a fresh request of a longer own context: the window is the fresh one's
+    # a continuation beside a fresh request of a longer own context: each prefills only what no KV covers
     reused = engine.reused_tokens
     got += wave(engine, [second[2], fresh])
     assert engine.reused_tokens > reused
@@ -752,17 +720,15 @@ def test_engine_stops_at_tool_call_and_runs_concurrent_requests(tokenizer, tiny)
     target = S.encode(tokenizer, "</tool_call>")
     engine = S.TransformersEngine(m, tokenizer, max_batch=4, kv_capacity_tokens=10_000)
 
-    class Steer(torch.nn.Module):  # logits favour the next token of "</tool_call>" after the prompt
-        def forward(self, input_ids=None, **kw):
-            out = m.__class__.forward(m, input_ids=input_ids, **kw)
-            if kw.get("attention_mask") is None:  # the engine computing its shared prompt prefix: no token
-                return out
-            out.logits[..., target[min(Steer.step, len(target) - 1)]] += 100.0
-            Steer.step += 1
-            return out
-        step = 0
-    engine._forward_model = m
-    m.forward = Steer().forward
+    forward, step = engine.decoder.forward, [0]
+
+    def steered(*args, **kwargs):  # logits favour the next token of "</tool_call>" after the prompt
+        logits = forward(*args, **kwargs)
+        if len(engine.decoder.cache.lens) > 1:  # (not the engine computing its shared prompt prefix)
+            logits[:, target[min(step[0], len(target) - 1)]] += 100.0
+            step[0] += 1
+        return logits
+    engine.decoder.forward = steered
 
     async def go():
         fut = engine.submit(S.GenRequest(S.render_prompt(tokenizer, "q"), 50, temperature=1.0, seed=1))
@@ -1000,3 +966,38 @@ def test_persistent_trajectories_wait_for_a_session_slot_instead_of_being_refuse
                         tools=tools)
     assert tools.most == 2 and tools.live == 0 and len(tools.sessions) == 6
     assert all(t.finish_reason == "answer" and t.tool_calls == 2 for g in groups for t in g)
+
+
+def test_an_all_wrong_group_is_sampled_again_as_soon_as_it_is_graded(tokenizer):
+    """Retry (rstar2_mini's retry_all_wrong): problem 0's group ends at once, all wrong; problem 1's runs a slow
+    tool call. Problem 0's second group is requested (its own seed stream, the same problem index) while problem
+    1's group still runs, not after the round; it replaces the first, which is reported spent; problem 1, right,
+    is not sampled again. The barrier mode (deterministic) runs the retry after the round instead."""
+    def turns(problem, sample):
+        if problem == 0:
+            return ["wrong"]
+        return [call_text("sleep 50"), "right"]
+
+    script = scripted(tokenizer, turns)
+    starts = []   # (virtual time, problem, seed) of every request
+
+    def recording(req):
+        starts.append((asyncio.get_event_loop().time(), req.key[0], req.seed))
+        return script(req)
+
+    for deterministic in (False, True):
+        starts.clear()
+        cfg = S.RolloutConfig(max_turns=3, max_response_tokens=400, deterministic=deterministic)
+        retry = S.Retry(grade=lambda pi, group: [setattr(t, "reward", float("right" in t.model_text))
+                                                 for t in group], seeds=[777])
+        loop = S.virtual_time_loop()
+        engine = S.SimulatedEngine(recording, 20000, tokens_per_s=1000, saturation=4)
+        groups = S.run_rollouts([engine], EchoTools(), tokenizer, [("a", "q0"), ("b", "q1")], 2, cfg, seed=5,
+                                progress=False, loop=loop, retry=retry)
+        end = loop.time()
+        loop.close()
+        retried = [t for t, p, seed in starts if seed == S.request_seed(777, 0, 0, 0)]
+        assert len(retried) == 1 and [p for _, p, _ in starts].count(0) == 4
+        assert (retried[0] < 40) != deterministic     # in the round (problem 1 sleeps 50 s), or after it
+        assert [pi for pi, _ in retry.spent] == [0] and len(retry.spent[0][1]) == 2
+        assert [t.reward for g in groups for t in g] == [0.0, 0.0, 1.0, 1.0] and end > 50

@@ -311,11 +311,23 @@ def test_a_problem_all_wrong_is_sampled_again_and_its_second_group_trains(monkey
     the group that trains is the second, and both count in the step's rollouts. Without it nothing is resampled."""
     calls = []
 
-    def fake_groups(rt, cfg, problems, n, seed, **kw):
-        calls.append(([int(p.id) for p in problems], seed))
-        first = len(calls) == 1   # problem 0 mixed, 1 all wrong, 2 all right; the second try of 1 is mixed
-        rewards = {0: [1, 0] * 4, 1: [0] * 8 if first else [1, 1, 0, 0, 0, 0, 0, 0], 2: [1] * 8}
-        return [[graded_traj(int(p.id), r) for r in rewards[int(p.id)]] for p in problems]
+    def fake_groups(rt, cfg, problems, n, seed, retry_seeds=(), **kw):
+        """As generate_groups with scheduler.Retry: an all-wrong group is sampled again with each retry seed."""
+        def draw(ps, seed_):
+            calls.append(([int(p.id) for p in ps], seed_))
+            first = len(calls) == 1   # problem 0 mixed, 1 all wrong, 2 all right; the second try of 1 is mixed
+            rewards = {0: [1, 0] * 4, 1: [0] * 8 if first else [1, 1, 0, 0, 0, 0, 0, 0], 2: [1] * 8}
+            return [[graded_traj(int(p.id), r) for r in rewards[int(p.id)]] for p in ps]
+        groups = draw(problems, seed)
+        if not retry_seeds:
+            return groups
+        spent = []
+        for k, p in enumerate(problems):
+            for seed_ in retry_seeds:
+                if not any(t.reward > 0 for t in groups[k]):
+                    spent.append((p, groups[k]))
+                    groups[k] = draw([p], seed_)[0]
+        return groups, spent
 
     monkeypatch.setattr(R, "generate_groups", fake_groups)
     for retries, want_calls, want_kept in [(0, 1, {"p0"}), (1, 2, {"p0", "p1"})]:
@@ -763,6 +775,8 @@ def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_mode
     assert [r["step"] for r in rows_a] == [1, 2]
     # rollouts really called the sandbox, and the tool's output came back
     assert rows_a[0]["tool_calls_per_traj"] > 0
+    # the rollout phase's occupancy: busy rows per decode iteration, at most the engine's slots
+    assert all(0 < r["rollout_rows_mean"] <= r["engine_slots"] and r["rollout_iterations"] > 0 for r in rows_a)
     samples = [(d_a / "samples" / f"step_000{k}.md").read_text() for k in (1, 2)]
     assert any("<tool_response>" in sample for sample in samples)
     assert all(r["loss"] is not None and r["grad_norm"] > 0 for r in rows_a)  # both steps updated
@@ -783,7 +797,9 @@ def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_mode
     run_steps(dataclasses.replace(cfg_b, steps=2), ckpt, d_b, start=state, reward_fn=coin)
     rows_b = [json.loads(x) for x in (d_b / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows_b] == [1, 2]
-    timing = {"step_time_s", "rollout_time_s", "gen_tokens_per_s", "train_tokens_per_s", "peak_mem_gb"}
+    timing = {"step_time_s", "rollout_time_s", "gen_tokens_per_s", "train_tokens_per_s", "peak_mem_gb",
+              # the engine's iterations depend on when tool results come back
+              "rollout_iterations", "rollout_rows_mean", "rollout_columns_mean", "rollout_ms_per_iteration"}
     for key in rows_a[1]:
         if key in timing:
             continue

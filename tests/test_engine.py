@@ -1,0 +1,152 @@
+"""Tests for the CPU engine's decode path (engines.TransformersEngine over slot_engine.py): its tokens against a
+plain full-forward sampler drawing the same uniforms, the vectorized sampler against the per-row one, slots
+refilled in the iteration after a row leaves, weight syncs, and the refusal of models it does not implement."""
+import pytest
+import torch
+
+import model as models
+import scheduler as S
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    return models.tiny_model(tokenizer, seed=0)
+
+
+def wave(engine, reqs):
+    results = {}
+    engine.decode_wave(reqs, lambda i, r: results.__setitem__(i, r))
+    return [results[i] for i in range(len(reqs))]
+
+
+def per_row_sample(logp_row, temperature, gen):
+    """The sampler as it was written row by row (the reference): greedy, or the inverse CDF of softmax(logits / T)
+    with one float64 uniform from the row's generator, sums in float64."""
+    if temperature <= 0:
+        return int(torch.argmax(logp_row))
+    cdf = torch.cumsum(logp_row.exp(), 0, dtype=torch.float64)
+    u = torch.rand(1, generator=gen, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
+
+
+def full_forward_sample(model, tokenizer, req, eos_ids):
+    """The oracle: one request alone, every token from a full forward of its whole context (no KV cache), drawn
+    with the request's own generator, stopped as the engine stops (eos, the stop text, the length budget)."""
+    gen = torch.Generator().manual_seed(req.seed)
+    ids, out, lps = list(req.ids), [], []
+    T = req.temperature if req.temperature > 0 else 1.0
+    while True:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+        logp = torch.log_softmax(logits / T, -1)
+        tok = per_row_sample(logp, req.temperature, gen)
+        ids.append(tok)
+        out.append(tok)
+        lps.append(float(logp[tok]))
+        why = S.finish_reason(tokenizer, out, req, eos_ids)
+        if why:
+            return out, lps, why
+
+
+def test_engine_tokens_equal_a_full_forward_sampler_with_the_same_draws(tokenizer, tiny):
+    """fp32, three slots for seven requests of very different lengths (rows leave and others take their slots
+    while the rest decode), one without the shared system prompt, then the continuations of three rows stopped at
+    a tool call (their KV kept, only the tool's response prefilled) beside a fresh request: every request's
+    tokens and finish are the oracle's, its log-probs within 1e-4 nats."""
+    engine = S.TransformersEngine(tiny, tokenizer, max_batch=3)
+    prompts = [S.render_prompt(tokenizer, f"question {i} " + "pad " * (25 * (i % 4))) for i in range(6)]
+    prompts.append(S.encode(tokenizer, "<|im_start|>user\nNo system prompt here.<|im_end|>\n<|im_start|>assistant\n"))
+    reqs = [S.GenRequest(p, 6 + 9 * (i % 3), temperature=[1.0, 0.7, 0.0][i % 3], seed=S.request_seed(1, i, 0, 0),
+                         key=(i, 0, 0), stop_text="@@") for i, p in enumerate(prompts)]
+    got = wave(engine, reqs)
+    # tool stops: a stop text that the first turn writes at its 5th token
+    first = [S.GenRequest(r.ids, 16, temperature=r.temperature, seed=r.seed, key=(i, 1, 0),
+                          stop_text=tokenizer.decode(g.token_ids[4:5]).strip() or "@@")
+             for i, (r, g) in enumerate(zip(reqs[:3], got[:3]))]
+    turn1 = wave(engine, first)
+    tool = S.encode(tokenizer, "<|im_start|>user\n<tool_response>42</tool_response><|im_end|>\n")
+    second = [S.GenRequest(q.ids + r.token_ids + tool, 8, temperature=1.0, seed=50 + i, key=(i, 1, 1),
+                           stop_text="@@") for i, (q, r) in enumerate(zip(first, turn1))]
+    fresh = S.GenRequest(prompts[5], 8, temperature=1.0, seed=99, key=(9, 0, 0), stop_text="@@")
+    reused = engine.reused_tokens
+    more = wave(engine, second + [fresh])
+    assert engine.reused_tokens > reused + sum(len(q.ids) - len(engine.prefix_ids) for q in first) // 2
+    assert sum(r.finish == "tool" for r in turn1) >= 2
+    for req, r in zip(reqs + first + second + [fresh], got + turn1 + more):
+        ids, lps, why = full_forward_sample(tiny, tokenizer, req, engine.eos_ids)
+        assert (r.token_ids, r.finish) == (ids, why)
+        assert torch.allclose(torch.tensor(r.logprobs), torch.tensor(lps), atol=1e-4)
+
+
+def test_the_sampler_draws_every_row_at_once_and_as_the_per_row_sampler_does(monkeypatch):
+    """64 rows at SmolLM2's vocabulary, temperatures 1, 0.7, 0.3 and greedy: the same tokens as the row-by-row
+    inverse CDF with the same generators, log-probs log_softmax(logits / T), one searchsorted for all rows."""
+    import engines
+
+    calls = []
+    real = torch.searchsorted
+    monkeypatch.setattr(torch, "searchsorted", lambda *a, **k: calls.append(1) or real(*a, **k))
+    B, V = 64, 49_152
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(0)) * 4
+    temps = [[1.0, 0.7, 0.3, 0.0][b % 4] for b in range(B)]
+    tokens, lps = engines.sample_rows(logits, temps, [1.0] * B, [torch.Generator().manual_seed(b) for b in range(B)])
+    assert len(calls) == 1
+    monkeypatch.setattr(torch, "searchsorted", real)
+    for b in range(B):
+        logp = torch.log_softmax(logits[b] / (temps[b] or 1.0), -1)
+        assert tokens[b] == per_row_sample(logp, temps[b], torch.Generator().manual_seed(b))
+        assert lps[b] == pytest.approx(float(logp[tokens[b]]), abs=1e-6)
+
+
+def test_a_free_slot_is_filled_in_the_next_iteration_and_the_trace_says_so(tokenizer, tiny):
+    """Eight slots, twelve requests: the iteration after a row leaves has a newcomer in its slot (admission at
+    any iteration, no wait for a quarter of the rows); the engine's trace counts busy rows per iteration and its
+    occupancy is their mean."""
+    engine = S.TransformersEngine(tiny, tokenizer, max_batch=8)
+    prompts = [S.render_prompt(tokenizer, f"q{i}") for i in range(12)]
+    reqs = [S.GenRequest(p, 3 + 4 * i, temperature=1.0, seed=i, stop_text="@@") for i, p in enumerate(prompts)]
+    engine.trace = []
+    wave(engine, reqs)
+    rows = [t["rows"] for t in engine.trace]
+    assert rows[:4] == [8, 8, 8, 8]        # the first leaves after its 3rd token, its slot is refilled at once
+    assert max(rows) == 8 and rows[-1] == 1
+    occ = engine.occupancy()
+    assert occ["iterations"] == len(rows) and occ["rows_mean"] == pytest.approx(sum(rows) / len(rows))
+
+
+def test_a_weight_sync_reaches_the_fused_operands_also_when_the_trainer_shares_the_model(tokenizer):
+    """The engine samples from copies of the weights (fused, maybe prepacked): after the trainer changes its
+    model in place and syncs (load_weights of the engine's own model), the engine samples as a fresh engine on
+    those weights does."""
+    m = models.tiny_model(tokenizer, seed=0)
+    engine = S.TransformersEngine(m, tokenizer, max_batch=2)
+    req = S.GenRequest(S.render_prompt(tokenizer, "hi"), 12, temperature=1.0, seed=3)
+    before = wave(engine, [req])[0]
+    with torch.no_grad():
+        for p, q in zip(m.parameters(), models.tiny_model(tokenizer, seed=1).parameters()):
+            p.copy_(q)                      # an optimizer step, in place
+    engine.load_weights(m)
+    after = wave(engine, [req])[0]
+    fresh = wave(S.TransformersEngine(models.tiny_model(tokenizer, seed=1), tokenizer, max_batch=2), [req])[0]
+    assert after.token_ids == fresh.token_ids and after.token_ids != before.token_ids
+
+
+def test_a_model_the_decoder_does_not_implement_is_refused_with_a_message(tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="Llama-family.*vLLM"):
+        S.TransformersEngine(gpt2, tokenizer)
+
+
+@pytest.mark.skipif(not models.bf16_is_fast("cpu"), reason="needs a CPU with bf16 units")
+def test_prepacked_bf16_gemms_equal_plain_ones():
+    """The oneDNN-prepacked weights give F.linear's numbers bit for bit at the decode shapes (1, 17, 64 rows)."""
+    import slot_engine
+
+    w = torch.nn.Linear(576, 1536).bfloat16()
+    packed = slot_engine.fused([w], prepack=True, rows=64)
+    assert packed.packed
+    for rows in (1, 17, 64):
+        x = torch.randn(rows, 576).bfloat16()
+        assert torch.equal(packed(x), torch.nn.functional.linear(x, w.weight, w.bias))
