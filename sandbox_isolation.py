@@ -411,3 +411,16 @@ def call_limits(config: dict, iso: dict) -> list[str]:
     if iso.get("pid_max"):
         limits.append(f"pid_max {iso['pid_max']} in the PID namespace")
     return limits
+
+
+def processes_in_namespace(inode: int) -> list[int]:
+    """Seen from the host: every process whose PID namespace is `inode` (a persistent session's; counted by the
+    tests and bench/bench_sandbox.py to show that a session leaves nothing behind)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}/ns/pid").st_ino == inode:
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found

@@ -19,19 +19,17 @@ machine hits both. Tokens/s counts the tokens each returns (up to and including 
 The last line printed is one JSON object.
 """
 import argparse
-import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engines as engines_now  # noqa: E402
 import model as models  # noqa: E402
+import git_baseline  # noqa: E402
 import roofline  # noqa: E402
 import scheduler  # noqa: E402
 import tasks  # noqa: E402
@@ -47,19 +45,8 @@ args = parser.parse_args()
 
 
 def baseline_engines():
-    """engines.py of the baseline revision, imported as its own module (it needs model.py and protocol.py only)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = subprocess.run(["git", "-C", root, "show", f"{args.baseline}:engines.py"], capture_output=True, text=True)
-    if code.returncode != 0:
-        sys.exit(f"error: git show {args.baseline}:engines.py: {code.stderr.strip()}")
-    path = os.path.join(tempfile.mkdtemp(), "engines_baseline.py")
-    with open(path, "w") as f:
-        f.write(code.stdout)
-    spec = importlib.util.spec_from_file_location("engines_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["engines_baseline"] = module
-    spec.loader.exec_module(module)
-    return module
+    """engines.py of the baseline revision, imported as its own module (git_baseline.module_at)."""
+    return git_baseline.module_at(args.baseline, "engines.py", "engines_baseline")
 
 
 import torch  # noqa: E402

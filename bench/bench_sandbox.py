@@ -21,6 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sandbox import SANDBOX_ENV, TOOL_STATES, SandboxPool  # noqa: E402
+from sandbox_isolation import processes_in_namespace  # noqa: E402
 
 TRIVIAL = "print(1)"
 SYMPY = "import sympy\nprint(sympy.factorint(2**64 + 1))"
@@ -121,17 +122,6 @@ def memory_of(pids):
     return private, pss
 
 
-def pids_in_namespace(inode):
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{pid}/ns/pid").st_ino == inode:
-                found.append(int(pid))
-        except OSError:
-            pass
-    return found
-
-
 async def session_memory(pool, count):
     """Memory of `count` live persistent sessions, each after the same 4 cells: its own (private) memory and its
     proportional share (Pss) per session; sessions per GB of private memory."""
@@ -140,7 +130,7 @@ async def session_memory(pool, count):
         for session in sessions:
             for i in range(4):
                 assert (await session.run(CELLS["sympy"].format(i=i))).status == "ok"
-        pids = [pid for s in sessions for pid in pids_in_namespace(s.namespace)]
+        pids = [pid for s in sessions for pid in processes_in_namespace(s.namespace)]
         private, pss = memory_of(pids)
     finally:
         for session in sessions:

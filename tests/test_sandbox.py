@@ -18,6 +18,7 @@ import pytest
 
 import sandbox
 from sandbox import ExecResult, SandboxPool, format_tool_response
+from sandbox_isolation import processes_in_namespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 1.5  # per-call limit for the hostile inputs
@@ -71,18 +72,6 @@ def run_as(pool, tool_state, code, stdin="", timeout_s=None) -> ExecResult:
                 assert wait_until(lambda: not processes_in_namespace(namespace))
 
     return asyncio.run(go())
-
-
-def processes_in_namespace(inode: int) -> list[int]:
-    """Host-side view: every process whose PID namespace is `inode` (a persistent session's)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{pid}/ns/pid").st_ino == inode:
-                found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 def pool_uids(pool) -> set[int]:

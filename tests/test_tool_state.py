@@ -15,6 +15,7 @@ import pytest
 
 import sandbox
 from sandbox import SandboxPool
+from sandbox_isolation import processes_in_namespace
 
 TIMEOUT = 1.5
 
@@ -187,18 +188,6 @@ def test_two_sessions_never_see_each_others_state_or_files(pool):
     assert b_view.stdout == "False [] []\n"
     assert a_view.stdout == "from a a False\n"
     assert len(eval(b_procs.stdout)) <= 2, b_procs  # itself (and its session's state), nothing of `a`
-
-
-def processes_in_namespace(inode: int) -> list[int]:
-    """Host-side count: every process whose PID namespace is `inode` (a session's)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{pid}/ns/pid").st_ino == inode:
-                found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 def wait_until(predicate, limit_s=5.0) -> bool:
