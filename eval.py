@@ -726,9 +726,8 @@ def main(argv=None) -> int:
         if args.data in ("heldout", "validation", "test"):
             levels = tuple(int(x) for x in args.levels.split(","))
             families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
-            split = "test" if args.data == "test" else "validation"
-            problems = tasks.evaluation_set(split, args.limit or 64, tasks.TEST_SEED if split == "test" else
-                                            tasks.VALIDATION_SEED, levels=levels, families=families)
+            pick = tasks.heldout_test_problems if args.data == "test" else tasks.heldout_problems
+            problems = pick(args.limit or 64, levels=levels, families=families)
         else:
             problems = tasks.load_problems(tasks.resolve_dataset(args.data), limit=args.limit)
         if not problems:

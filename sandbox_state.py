@@ -156,12 +156,7 @@ def session_call(session: Session, request: dict, config: dict, iso: dict) -> di
             if fd is session.control:
                 message = receive(session.control) or {"lost": True}
             else:
-                chunk = os.read(fd, 1 << 16)
-                if chunk:
-                    streams[fd].feed(chunk)
-                else:
-                    os.close(fd)
-                    del streams[fd]
+                w.read_ready(fd, streams)
         return message
 
     while exited is None and not lost:  # until the call's main process has exited, or time or output runs out

@@ -253,6 +253,16 @@ def child_main(config: dict, iso: dict, fds: tuple[int, int, int, int], scratch:
 # The supervisor (Z): one call at a time, each a fresh fork made while the previous result travels back
 
 
+def read_ready(fd: int, streams: dict) -> None:
+    """One read of a pipe select() found ready into its HeadTail; at end of file the pipe is closed and dropped."""
+    chunk = os.read(fd, 1 << 16)
+    if chunk:
+        streams[fd].feed(chunk)
+    else:
+        os.close(fd)
+        del streams[fd]
+
+
 class HeadTail:
     """Keeps the first and last bytes of a stream and counts the characters in between (UTF-8)."""
 
@@ -442,12 +452,7 @@ def supervise_call(call: Call, request: dict, config: dict, iso: dict, keep: fro
         ready = select.select([*streams, *([call.pidfd] if watch_exit else [])], [], [], max(0.0, wait_s))[0]
         for fd in ready:
             if fd != call.pidfd:
-                chunk = os.read(fd, 1 << 16)
-                if chunk:
-                    streams[fd].feed(chunk)
-                else:
-                    os.close(fd)
-                    del streams[fd]
+                read_ready(fd, streams)
         return call.pidfd in ready
 
     # Phase 1: until the call has exited (or, having closed all its streams, is inside exit(2) with a normal exit

@@ -8,15 +8,7 @@ import model as models
 import scheduler as S
 
 
-@pytest.fixture(scope="module")
-def tiny(tokenizer):
-    return models.tiny_model(tokenizer, seed=0)
-
-
-def wave(engine, reqs):
-    results = {}
-    engine.decode_wave(reqs, lambda i, r: results.__setitem__(i, r))
-    return [results[i] for i in range(len(reqs))]
+from test_scheduler import tiny, wave  # noqa: E402,F401  (the tiny model fixture; one decode wave's results)
 
 
 def per_row_sample(logp_row, temperature, gen):

@@ -9,13 +9,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 
 import sandbox
 from sandbox import SandboxPool
 from sandbox_isolation import processes_in_namespace
+from test_sandbox import wait_until  # noqa: E402  (the isolation tests' poll)
 
 TIMEOUT = 1.5
 
@@ -188,15 +188,6 @@ def test_two_sessions_never_see_each_others_state_or_files(pool):
     assert b_view.stdout == "False [] []\n"
     assert a_view.stdout == "from a a False\n"
     assert len(eval(b_procs.stdout)) <= 2, b_procs  # itself (and its session's state), nothing of `a`
-
-
-def wait_until(predicate, limit_s=5.0) -> bool:
-    end = time.monotonic() + limit_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_a_sessions_processes_are_gone_after_it_ends_and_after_the_pool_closes():
