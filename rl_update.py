@@ -3,7 +3,8 @@ clipped token-level loss of GRPO-RoC over mini-batches, and the check that the e
 
     kept trajectories [(trajectory, advantage)] from rstar2_mini.select_step_batch (after RoC, grpo_roc.py)
       -> token_logprobs: log pi(x_t | x_<t) of every model token, by absolute position in its trajectory
-      -> pi_old: one no-grad pass (engine_trainer_mismatch compares it with the engine's sampling log-probs)
+      -> pi_old: the first mini-batch's own forward, a no-grad pass for the later ones (engine_trainer_mismatch
+         compares it with the engine's sampling log-probs)
       -> `minibatches` optimizer steps: micro-batches of log pi -> grpo_roc.policy_loss -> backward -> AdamW
       -> the numbers of the update for metrics.jsonl (rstar2_mini.log_step); new weights go to the engines
 
@@ -106,6 +107,8 @@ def bf16_option(cfg: Config) -> bool | None:
 def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: random.Random,
                   loss_sign: float = 1.0) -> dict:
     """Old log-probs, then `minibatches` optimizer steps of the clipped token-level loss (paper eq. in grpo_roc).
+    pi_old of the first mini-batch is its own forward before the step (one pass fewer; with one mini-batch, the
+    paper's setting, the update forwards each token once).
 
     Log-probs live by absolute position in each trajectory (token_logprobs): with lr = 0 every ratio is 1 and
     nothing is clipped (a test checks, in fp32 and bf16).
@@ -148,36 +151,45 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
     chunks = [order[k::cfg.minibatches] for k in range(cfg.minibatches)]
     shares = [rank_shares(chunk, lengths) for chunk in chunks]  # shares[chunk][rank]: that rank's items
 
-    # Old log-probs pi_old, one per token position of each trajectory: recomputed by the trainer (not taken from
-    # the engine) so that rho = 1 exactly at the first update whatever the engine's numerics. The pass forwards
-    # the very micro-batches the update will (same rows, same padding): in fp32 any packing gives the same
-    # numbers to rounding, but under bf16 autocast a row packed differently rounds differently (|rho - 1| up to
-    # 5e-4 at lr = 0 on the tiny test model).
-    old = [None] * len(seqs)
-    model.eval()
-    with torch.no_grad(), autocast():
-        prompt_kv = shared_prompt_kv(model, seqs[0][:p])[0] if p else None
-        for share in shares:
-            for mb in my_micro_batches(share, own, cfg.micro_batch_tokens):
-                logp = logprobs(mb, prompt_kv)   # (mb None: an empty pass, FSDP's collectives need it)
-                for row, i in enumerate(mb or []):
-                    old[i] = logp[row, : lengths[i]].clone()
-    model.train()
-
     # Off-policy correction for the sampler/trainer gap (not in the paper; grpo_roc.sampler_weights, docs/design.md):
     # each model token's weight w_t from r_t = pi_old / pi_sampler, pi_sampler the engine's log-prob stored in the
     # trajectory. Off, or a trajectory without engine log-probs (SFT data, a test batch): weight None, the paper's
     # loss by the very code of today. Every rank decides the mode alike (sampler_correction_mode).
     correction = sampler_correction_mode(cfg, next(model.parameters()).device.type)
     weights, corrected = [None] * len(seqs), [None] * len(seqs)
-    for i, (t, _) in enumerate(kept):
+
+    def correct(i):
+        """Row i's correction weights, from its pi_old and the engine's log-probs."""
+        t = kept[i][0]
         engine = engine_logprobs_at(t, old[i], masks[i]) if correction != "off" and old[i] is not None else None
         if engine is not None:
             m_i = torch.tensor(masks[i], device=old[i].device)[None]
             w, c = grpo_roc.sampler_weights(old[i][None], engine.to(old[i].device)[None], m_i, correction,
                                             cfg.sampler_cap, cfg.sampler_mask_low, cfg.sampler_mask_high)
             weights[i], corrected[i] = w[0], c[0]
-    mismatch = engine_trainer_mismatch([t for t, _ in kept], old, masks, weights, corrected)
+
+    # Old log-probs pi_old, one per token position of each trajectory: recomputed by the trainer (not taken from
+    # the engine) so that rho = 1 exactly at the first update whatever the engine's numerics. Before the first
+    # optimizer step the weights are pi_old's, so the first mini-batch's own forward is its rows' pi_old
+    # (old = log pi.detach(): rho = 1 bitwise, and a forward pass saved); only the later mini-batches' rows get a
+    # no-grad pass first. That pass forwards the very micro-batches the update will (same rows, same padding): in
+    # fp32 any packing gives the same numbers to rounding, but under bf16 autocast a row packed differently rounds
+    # differently (|rho - 1| up to 5e-4 at lr = 0 on the tiny test model). mask_token / mask_seq count the tokens
+    # they keep over a whole mini-batch before its loss, so they take every row's pi_old from the pass.
+    from_update = correction not in ("mask_token", "mask_seq")
+    old = [None] * len(seqs)
+    model.eval()
+    with torch.no_grad(), autocast():
+        passes = shares[1:] if from_update else shares
+        prompt_kv = shared_prompt_kv(model, seqs[0][:p])[0] if p and any(passes) else None
+        for share in passes:
+            for mb in my_micro_batches(share, own, cfg.micro_batch_tokens):
+                logp = logprobs(mb, prompt_kv)   # (mb None: an empty pass, FSDP's collectives need it)
+                for row, i in enumerate(mb or []):
+                    old[i] = logp[row, : lengths[i]].clone()
+    model.train()
+    for i in range(len(seqs)):
+        correct(i)
     # N of the token-level mean, per trajectory: its model tokens; with mask_token / mask_seq only those kept (a
     # dropped token leaves the sum and N alike, as in verl and slime: grpo_roc.policy_loss). Each rank knows the
     # weights of its own rows only, so the counts are summed over ranks (0 from the ranks that lack the row).
@@ -205,6 +217,10 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
             if mb is None:
                 backward(logp.sum() * 0.0)  # no items left on this rank: a zero gradient, the collectives in step
                 continue
+            for row, i in enumerate(mb):
+                if old[i] is None:         # the first mini-batch: pi_old is this forward, before any step
+                    old[i] = logp[row, : lengths[i]].detach().clone()
+                    correct(i)
             old_lp, mask = torch.zeros_like(logp), torch.zeros_like(logp)
             for row, i in enumerate(mb):   # the same absolute positions as the old pass
                 old_lp[row, : lengths[i]] = old[i]
@@ -237,6 +253,7 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
         tokens += sum(lengths[i] for i in chunk)
         loss_tokens += int(counted)
     ratio_min, ratio_max = -all_ranks_max([-ratio_min])[0], all_ranks_max([ratio_max])[0]
+    mismatch = engine_trainer_mismatch([t for t, _ in kept], old, masks, weights, corrected)
     return {"loss": sum(losses) / len(losses) if losses else None,
             "clip_frac": sum(clip_fracs) / len(clip_fracs) if clip_fracs else None,
             "grad_norm": max(grad_norms) if grad_norms else None,

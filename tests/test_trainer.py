@@ -198,6 +198,43 @@ def test_policy_update_under_bf16_autocast_keeps_the_gradient_direction(tokenize
     assert torch.nn.functional.cosine_similarity(runs[0], runs[1], dim=0) > 0.99
 
 
+def forwarded_tokens(m):
+    """A counter of the tokens the model's embedding looks up (every forward, with or without gradient)."""
+    seen = [0]
+    m.get_input_embeddings().register_forward_hook(lambda mod, args, out: seen.__setitem__(0, seen[0] + args[0].numel()))
+    return seen
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_first_minibatch_takes_pi_old_from_its_own_forward(tokenizer, precision):
+    """Before the first optimizer step the weights are pi_old's, so the first mini-batch's own forward is its pi_old
+    pass: with one mini-batch the update forwards each token once, not twice (a no-grad pass, then the update);
+    with two, the later one's rows still get a no-grad pass at the weights before the update. The oracle is that
+    two-pass computation (mask_token draws every pi_old from the pass, and without engine log-probs it masks
+    nothing): the same loss and, after steps at lr > 0, the same weights, bitwise, in fp32 and under bf16."""
+    rng = random.Random(8)
+    trajs = random_trajectories(tokenizer, rng, 6, one_problem=True)
+    kept = [(t, a) for t, a in zip(trajs, [1.0, -0.5, 0.75, -1.25, 0.3, 0.6])]
+    for minibatches in (1, 2):
+        runs = {}
+        for mode in ("off", "mask_token"):
+            m = models.tiny_model(tokenizer, seed=5)
+            cfg = R.Config(lr=1e-2, warmup_steps=1, minibatches=minibatches, micro_batch_tokens=700,
+                           sampler_correction=mode, precision=precision)
+            optimizer, schedule = R.make_optimizer(m, cfg)
+            rt = R.Runtime(m, tokenizer, engines=[], pool=None, loop=None)
+            seen = forwarded_tokens(m)
+            out = R.policy_update(rt, cfg, optimizer, schedule, kept, random.Random(1))
+            runs[mode] = (out, seen[0], [p.detach().clone() for p in m.parameters()])
+        (one, one_tokens, one_w), (two, two_tokens, two_w) = runs["off"], runs["mask_token"]
+        assert one["loss"] == two["loss"] and one["ratio_max"] == two["ratio_max"], minibatches
+        assert all(torch.equal(a, b) for a, b in zip(one_w, two_w)), minibatches
+        if minibatches == 1:  # one pass against two passes of the same tokens (the shared prompt once a pass)
+            assert 2 * one_tokens == two_tokens, (one_tokens, two_tokens)
+        else:                 # the first mini-batch's rows are forwarded once fewer
+            assert one_tokens < two_tokens, (one_tokens, two_tokens)
+
+
 def test_engine_trainer_mismatch_over_model_tokens():
     """The metric is |engine log-prob - trainer log-prob| over model tokens only, in order."""
     t = scheduler.Trajectory("p", [1, 2, 3], [scheduler.Segment([4, 5], 1, [-1.0, -2.0]), scheduler.Segment([6], 0),
