@@ -235,6 +235,16 @@ class TransformersEngine:
             with torch.no_grad():
                 self.model.load_state_dict(state, strict=True)  # copy_() into the existing tensors
 
+    def release_operands(self) -> None:
+        """Let go of what the next weight sync makes stale anyway, before the update runs (phases.for_update): the
+        decoder's fused and prepacked copies of the weights (as large as the model in the engine's dtype) and the
+        shared prefix's KV. The next decode rebuilds both from the model, as after a sync."""
+        with self._weights_lock:
+            self.decoder.layers = self.decoder.head = None
+            self._prefix_kv = None
+            self._stale = True
+        release_freed_memory()
+
     def reset_occupancy(self) -> None:
         self._occ = {"iterations": 0, "rows": 0, "columns": 0, "seconds": 0.0, "tokens": 0}
 

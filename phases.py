@@ -14,9 +14,10 @@ model's engines KV for about one full-length rollout (memory_plan.py), so, as ve
                  host memory and waits (barrier), and rank 0 wakes the KV cache
 
 Turns.on is the same on every rank (the config and the world size decide it), so every rank takes the same
-barriers. In-process engines (the CPU path, CPU ranks over gloo) have nothing to put to sleep: the trainer's
-state still goes to host memory and back (a copy), which is how the CPU tests run this path
-(tests/test_phases.py)."""
+barriers. In-process engines (the CPU path, CPU ranks over gloo) have no sleep mode: the trainer's state still
+goes to host memory and back (a copy), which is how the CPU tests run this path (tests/test_phases.py). Without
+the offload (the CPU preset) for_update has the CPU engine let go of its fused copies of the weights, which the
+update makes stale (TransformersEngine.release_operands)."""
 from __future__ import annotations
 
 import time
@@ -48,6 +49,9 @@ def for_update(turns: Turns, engines: list, model, optimizer) -> None:
     """Engines asleep (rank 0), then the trainer's state back on every rank's GPU."""
     import vllm_engine
 
+    if not turns.on:   # in-process engines: their copies of the weights go stale at the first optimizer step
+        for engine in engines if DIST.rank == 0 else ():
+            getattr(engine, "release_operands", lambda: None)()
     if not turns.on or turns.trainer_on_device:
         return
     if DIST.rank == 0:
