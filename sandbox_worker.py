@@ -92,12 +92,14 @@ def send_message(fd: int, message: dict) -> None:
 
 
 def read_exactly(fd: int, n: int, deadline: float | None = None) -> bytes | None:
-    """n bytes from fd, or None at EOF; raises TimeoutError past the deadline (monotonic clock)."""
+    """n bytes from fd, or None at EOF; raises TimeoutError when nothing has come by the deadline (monotonic
+    clock). What is already waiting is read even past the deadline: a reader that was not scheduled for a while
+    (a laptop's suspend, a busy host) must not take a finished call for a hung one."""
     buf = bytearray()
     while len(buf) < n:
         if deadline is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            remaining = max(deadline - time.monotonic(), 0.0)
+            if not select.select([fd], [], [], remaining)[0]:
                 raise TimeoutError
         chunk = os.read(fd, n - len(buf))
         if not chunk:

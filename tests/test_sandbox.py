@@ -750,3 +750,20 @@ def test_worker_cgroup_v2_is_a_sibling_of_ours_with_memory_and_pids_limits(tmp_p
     monkeypatch.setattr(sandbox, "cgroup_mounts", lambda: {"": (str(tmp_path / "absent"), "/")})
     paths, why = sandbox.make_worker_cgroup("rstar2-sandbox-test-3", 1 << 30, 66)
     assert paths is None and why.startswith("cgroup v2 at ")
+
+
+def test_an_answer_waiting_past_its_deadline_is_read_not_timed_out():
+    """A trainer that was not scheduled for a while (a laptop's suspend, SIGSTOP, a busy host) finds the worker's
+    answer waiting in the pipe after the call's deadline has passed: it reads it, and does not call a worker that
+    answered dead (which would replace the worker and turn a finished call into a timeout)."""
+    import sandbox_worker
+
+    r, w = os.pipe()
+    try:
+        sandbox_worker.send_message(w, {"status": "ok", "stdout": "42\n"})
+        assert sandbox_worker.read_message(r, time.monotonic() - 5.0) == {"status": "ok", "stdout": "42\n"}
+        with pytest.raises(TimeoutError):         # nothing there: past the deadline is a timeout, as before
+            sandbox_worker.read_message(r, time.monotonic() - 5.0)
+    finally:
+        os.close(r)
+        os.close(w)
