@@ -15,17 +15,7 @@ import pytest
 import sandbox
 from sandbox import SandboxPool
 from sandbox_isolation import processes_in_namespace
-from test_sandbox import wait_until  # noqa: E402  (the isolation tests' poll)
-
-TIMEOUT = 1.5
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = SandboxPool(workers=2, timeout_s=TIMEOUT, memory_mb=768, max_sessions=8)
-    asyncio.run(p.start())
-    yield p
-    asyncio.run(p.close())
+from test_sandbox import pool, wait_until  # noqa: E402,F401  (the isolation tests' pool fixture and poll)
 
 
 def calls(pool, mode, cells):
