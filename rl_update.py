@@ -217,12 +217,11 @@ def policy_update(rt: Runtime, cfg: Config, optimizer, scheduler_lr, kept, rng: 
             if mb is None:
                 backward(logp.sum() * 0.0)  # no items left on this rank: a zero gradient, the collectives in step
                 continue
-            for row, i in enumerate(mb):
+            old_lp, mask = torch.zeros_like(logp), torch.zeros_like(logp)
+            for row, i in enumerate(mb):   # the same absolute positions as the old pass
                 if old[i] is None:         # the first mini-batch: pi_old is this forward, before any step
                     old[i] = logp[row, : lengths[i]].detach().clone()
                     correct(i)
-            old_lp, mask = torch.zeros_like(logp), torch.zeros_like(logp)
-            for row, i in enumerate(mb):   # the same absolute positions as the old pass
                 old_lp[row, : lengths[i]] = old[i]
                 mask[row, : lengths[i]] = torch.tensor(masks[i], dtype=logp.dtype)
             adv = torch.tensor([advs[i] for i in mb], dtype=logp.dtype, device=logp.device)
