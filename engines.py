@@ -164,7 +164,7 @@ class TransformersEngine:
     reset_occupancy()."""
 
     def __init__(self, model, tokenizer, max_batch: int = 16, kv_capacity_tokens: int = 65536,
-                 device: str = "cpu", share_prefix: bool = True):
+                 device: str = "cpu", share_prefix: bool = True, tool_state: str = "stateless"):
         from slot_engine import SlotDecoder
 
         self.model = model.to(device)
@@ -175,7 +175,8 @@ class TransformersEngine:
         self.capacity_tokens = kv_capacity_tokens
         self.device = device
         self.eos_ids = eos_token_ids(tokenizer, model)
-        self.prefix_ids = shared_prompt_prefix(tokenizer) if share_prefix else []
+        # the prompt names a stateful tool in the system message, so the prefix is that of the run's tool state
+        self.prefix_ids = shared_prompt_prefix(tokenizer, tool_state) if share_prefix else []
         self._prefix_kv = None            # [layers, 2, kv heads, P, head dim] of prefix_ids, current weights
         # the KV of rows that stopped at a tool call, until their continuation comes: {(problem, sample):
         # (context ids it covers, has_prefix, [layers, 2, kv heads, n, head dim])}; dropped at a weight sync
@@ -468,12 +469,12 @@ class _Row:
     new_lps: list = field(default_factory=list)
 
 
-def shared_prompt_prefix(tokenizer) -> list[int]:
+def shared_prompt_prefix(tokenizer, tool_state: str = "stateless") -> list[int]:
     """The token ids every rendered prompt starts with (system prompt, tool schema, the user turn's opening
     instructions): the common prefix of renders that differ only in the question. Questions that start with a
     digit, a word, a space or a symbol, because the last token before the question can merge with its first
     character (": 1" is ":", " ", "1" but ": What" is ":", " What")."""
-    renders = [render_prompt(tokenizer, q) for q in ("1", "2", "What", "x", " y", "(", "\\", "A", "é")]
+    renders = [render_prompt(tokenizer, q, tool_state) for q in ("1", "2", "What", "x", " y", "(", "\\", "A", "é")]
     n = 0
     while all(n < len(r) and r[n] == renders[0][n] for r in renders):
         n += 1

@@ -754,7 +754,8 @@ def main(argv=None) -> int:
     else:
         engines = [scheduler.TransformersEngine(models.load_model(path, dtype=models.engine_dtype(bf16, device),
                                                                   device=device),   # bf16 where that is fast
-                                                tokenizer, max_batch=args.batch, device=device)]
+                                                tokenizer, max_batch=args.batch, device=device,
+                                                tool_state=args.tool_state)]
     cfg = scheduler.RolloutConfig(max_turns=args.max_turns, max_response_tokens=args.max_tokens,
                                   temperature=args.temperature, top_p=args.top_p, tool_state=args.tool_state)
     pool = sandbox.SandboxPool(max_sessions=sandbox.sessions_that_fit() if args.tool_state == "persistent" else 0)

@@ -591,7 +591,7 @@ def build_runtime(cfg: Config, model_path: Path) -> Runtime:
             # guards its memory (the paper preset's 256 x 12.7K tokens would be 0.5 TB of KV for a 14B model)
             cap = {"kv_capacity_tokens": engine_kv_tokens(cfg, tokenizer)} if device == "cpu" else {}
             engines = [scheduler.TransformersEngine(engine_model, tokenizer, max_batch=cfg.engine_batch,
-                                                    device=device, **cap)]
+                                                    device=device, tool_state=cfg.tool_state, **cap)]
         pool = sandbox.SandboxPool(timeout_s=cfg.tool_timeout_s, isolation=cfg.sandbox_isolation,
                                    max_sessions=sandbox.sessions_that_fit() if cfg.tool_state == "persistent" else 0)
         loop.run_until_complete(pool.start())  # refuses to start without namespaces unless isolation is "none"
