@@ -238,11 +238,13 @@ class TransformersEngine:
 
     def release_operands(self) -> None:
         """Let go of what the next weight sync makes stale anyway, before the update runs (phases.for_update): the
-        decoder's fused and prepacked copies of the weights (as large as the model in the engine's dtype) and the
-        shared prefix's KV. The next decode rebuilds both from the model, as after a sync."""
+        decoder's fused and prepacked copies of the weights (as large as the model in the engine's dtype), the
+        shared prefix's KV, and the KV kept for rows stopped at a tool call whose continuation never came (the
+        step's rollouts are over). The next decode rebuilds the first two from the model, as after a sync."""
         with self._weights_lock:
             self.decoder.layers = self.decoder.head = None
             self._prefix_kv = None
+            self._kept_kv.clear()
             self._stale = True
         release_freed_memory()
 

@@ -126,8 +126,10 @@ def test_a_weight_sync_reaches_the_fused_operands_also_when_the_trainer_shares_t
 
 def test_the_update_runs_without_the_decoders_operands_and_the_next_rollout_samples_as_before(tokenizer):
     """The decoder's fused (maybe prepacked) copies of the weights are stale from the update's first optimizer
-    step: phases.for_update lets them go (270 MB of the 135M model in bf16), with the shared prefix's KV, so the
-    update's peak does not hold them; the next decode rebuilds them, and samples as an engine that kept them."""
+    step: phases.for_update lets them go (270 MB of the 135M model in bf16), with the shared prefix's KV and the
+    KV kept for rows stopped at a tool call whose continuation never came (the step's rollouts are over: 7 rows,
+    80 MB in a step of the main command), so the update's peak does not hold them; the next decode rebuilds the
+    operands, and samples as an engine that kept them."""
     import weakref
 
     import phases
@@ -136,7 +138,12 @@ def test_the_update_runs_without_the_decoders_operands_and_the_next_rollout_samp
     engine = S.TransformersEngine(m, tokenizer, max_batch=2)
     req = S.GenRequest(S.render_prompt(tokenizer, "hi"), 12, temperature=1.0, seed=3)
     before = wave(engine, [req])[0]
-    held = [weakref.ref(engine.decoder.layers[0]["qkv"].weight), weakref.ref(engine._prefix_kv)]
+    # a row that stops at a tool call (its 3rd token ends the stop text) keeps its KV for a continuation
+    tool = S.GenRequest(req.ids, 12, temperature=1.0, seed=3, key=(0, 0, 0),
+                        stop_text=tokenizer.decode(before.token_ids[2:3]).strip() or "@@")
+    assert wave(engine, [tool])[0].finish == "tool" and len(engine._kept_kv) == 1
+    held = [weakref.ref(engine.decoder.layers[0]["qkv"].weight), weakref.ref(engine._prefix_kv),
+            weakref.ref(next(iter(engine._kept_kv.values()))[2])]
     phases.for_update(phases.Turns(), [engine], m, None)
     import gc
     gc.collect()
