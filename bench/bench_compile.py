@@ -48,6 +48,7 @@ def decode_layer(h, w, linear, keys, values, pre_k, pre_v, mask, cos, sin, shape
     """One decoder layer for B decoding rows (slot_engine.SlotDecoder.forward and _decode_attention, decode rows
     only): h [B, hidden]; keys, values [B, kv heads, W, d]; pre_k, pre_v [kv heads, P, d]; mask [B, 1, 1, P + W]."""
     import torch
+
     from slot_engine import rms_norm
 
     H, kvh, d, eps = shape

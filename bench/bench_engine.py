@@ -107,13 +107,14 @@ def vllm_rounds(path, dtype, requests, rounds: int) -> dict:
 
 def main():
     args = parse_args()
-    import engines as engines_now
     import git_baseline
-    import model as models
     import roofline
+    import torch
+
+    import engines as engines_now
+    import model as models
     import scheduler
     import tasks
-    import torch
 
     path = models.resolve_model(args.model or models.DEFAULT_MODEL)
     tokenizer = models.load_tokenizer(path)
