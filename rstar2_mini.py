@@ -54,6 +54,11 @@ from heldout import evaluation_sets, heldout_report, plural  # the validation an
 # bench/bench_contention.py). libgomp reads this when torch loads it: nothing above imports torch. An explicit
 # OMP_WAIT_POLICY in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# ...after a short spin: 3000 turns of libgomp's wait loop (about 30 us; its default is 300,000, PASSIVE alone 0).
+# A decode iteration runs some 2,800 small kernels, and waking a sleeping thread for each cost a third of it: on an
+# idle 2-core host a step's rollouts ran 1.55x faster with the spin (docs/contention.md). Beside a process that
+# keeps a core busy the engine was slower with it (1.5-1.8x a decode iteration): GOMP_SPINCOUNT=0 turns it off.
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 # ----------------------------------------------------------------------------------------------------------
 # Problems: the built-in generator (seeded, a data cursor makes resume exact) or a file

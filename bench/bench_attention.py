@@ -86,7 +86,8 @@ def main():
             ref = engine(q, kv[0], kvc[0], pre[0], mask, bmask, w).float()
             row = {}
             for name, fn in arms.items():   # the same numbers, up to bf16 rounding
-                row[f"{name}_max_diff"] = float((fn(q, kv[0], kvc[0], pre[0], mask, bmask, w).float() - ref).abs().max())
+                got = fn(q, kv[0], kvc[0], pre[0], mask, bmask, w).float()
+                row[f"{name}_max_diff"] = float((got - ref).abs().max())
             ms = {name: [] for name in arms}
             for _ in range(4):
                 for name, fn in arms.items():

@@ -12,12 +12,12 @@ bf16 units) on B rows with W own columns, three ways, interleaved:
   compiled     eager-plain through torch.compile (inductor, default mode, dynamic shapes; the weights are graph
                inputs, never frozen, so that a weight sync would need no recompile)
 
-and prints the compile time (the first call), the graphs compiled across the shapes (a recompile per new shape
-would be paid in every rollout phase), whether an in-place weight update recompiles, and per shape the milliseconds
-per iteration of each arm, and how far one compiled layer's output is from the engine's (the largest difference over
-the largest value: fusion rounds differently). The KV write of the new token is left out of every arm (the same work). Then what
-compiling would save in a run of the main command: (eager - compiled) ms x decode iterations, against the compile
-time paid once per run.
+and prints the compile time (the first call), the graphs compiled across the shapes (a recompile per new shape would
+be paid in every rollout phase), whether an in-place weight update recompiles, and per shape the milliseconds per
+iteration of each arm, and how far one compiled layer's output is from the engine's (the largest difference over the
+largest value: fusion rounds differently). The KV write of the new token is left out of every arm (the same work).
+Then what compiling would save in a run of the main command: (eager - compiled) ms x decode iterations, against the
+compile time paid once per run.
 
     python bench/bench_compile.py                            # the bundled model; about 3 minutes on 2 cores
     python bench/bench_compile.py --model runs/n0/sft/model --iterations 700 --steps 40
@@ -63,7 +63,8 @@ def decode_layer(h, w, linear, keys, values, pre_k, pre_v, mask, cos, sin, shape
     scores = torch.cat([s_pre.view(kvh, B, g, P).transpose(0, 1), scores], -1)
     p = torch.softmax(scores.float() * d ** -0.5 + mask, -1).to(values.dtype)
     out = torch.matmul(p[..., -W:], values)
-    out = out + torch.matmul(p[..., :P].transpose(0, 1).reshape(kvh, B * g, P), pre_v).view(kvh, B, g, d).transpose(0, 1)
+    p_pre = p[..., :P].transpose(0, 1).reshape(kvh, B * g, P)
+    out = out + torch.matmul(p_pre, pre_v).view(kvh, B, g, d).transpose(0, 1)
     h = h + linear(out.reshape(B, H * d), w["o"])
     x = rms_norm(h, w["norm2"], eps)
     gate, up = linear(x, w["gate_up"]).chunk(2, -1)

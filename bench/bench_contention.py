@@ -5,7 +5,8 @@ torch runs its CPU kernels on an OpenMP team of one thread per core (libgomp her
 region a thread that is done waits for the others, and by default it waits by spinning (GOMP_SPINCOUNT) before it
 sleeps. With another busy process on the cores, a team member that the kernel has descheduled holds the whole team
 up, and the spinning members burn the time slices that member needs: the step slows far more than its share.
-OMP_WAIT_POLICY=PASSIVE makes waiting threads sleep at once; torch.set_num_threads(1) has no team at all. Sandbox
+OMP_WAIT_POLICY=PASSIVE makes waiting threads sleep at once (with GOMP_SPINCOUNT=3000, as rstar2_mini.py sets
+it, after about 30 us of spinning); torch.set_num_threads(1) has no team at all. Sandbox
 workers running model-written code beside the engine's decoding are the same case (decoding runs many small
 kernels: many waits).
 
@@ -46,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
     "default": ({}, 0),
     "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, 0),
+    "passive_spin3000": ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}, 0),   # rstar2_mini's setting
     "one_thread": ({}, 1),
 }
 
@@ -104,7 +106,7 @@ def spinner() -> subprocess.Popen:
 
 def run_variant(name: str, busy: bool, args) -> dict:
     env_extra, threads = VARIANTS[name]
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
     env.update(env_extra)
     cmd = [sys.executable, __file__, "--child", "--threads", str(threads), "--model", args.model,
            "--batch", str(args.batch), "--tokens", str(args.tokens), "--reps", str(args.reps),

@@ -11,6 +11,10 @@ import model as models
 # One intra-op thread: the test models are tiny, and two OpenMP threads on a 2-core machine that is also running
 # sandbox workers (or anything else) spin against each other - measured 30x slower than one thread here.
 torch.set_num_threads(1)
+# Runs that tests start as subprocesses share the cores with the other test worker: their OpenMP threads sleep at
+# once instead of spinning first (rstar2_mini's GOMP_SPINCOUNT=3000 is for a machine it has to itself;
+# docs/contention.md).
+os.environ.setdefault("GOMP_SPINCOUNT", "0")
 
 # The offline benchmark copies that tests may read (never copied into the repository): the workplace keeps them
 # in shared/data beside the checkout. The product itself looks in $RSTAR2_DATA_DIR or its own data/ folder.

@@ -624,3 +624,20 @@ def test_openmp_threads_wait_passively_in_the_entry_points(entry):
     assert done.returncode == 0 and done.stdout.strip() == "PASSIVE", done.stderr[-2000:]
     done = run({**env, "OMP_WAIT_POLICY": "ACTIVE"})
     assert done.returncode == 0 and done.stdout.strip() == "ACTIVE", done.stderr[-2000:]
+
+
+def test_the_main_command_spins_briefly_before_its_openmp_threads_sleep():
+    """rstar2_mini sets GOMP_SPINCOUNT=3000 before anything loads torch: a waiting OpenMP thread spins about 30 us
+    before it sleeps (the decode loop's many small kernels then find their team awake; docs/contention.md), and a
+    value the person set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, sys; import rstar2_mini; assert 'torch' not in sys.modules; print(os.environ['GOMP_SPINCOUNT'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    root = str(Path(__file__).resolve().parent.parent)
+    for extra, expected in (({}, "3000"), ({"GOMP_SPINCOUNT": "0"}, "0")):
+        done = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, cwd=root, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.strip() == expected, done.stderr[-2000:]
