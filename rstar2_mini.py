@@ -57,7 +57,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # ...after a short spin: 3000 turns of libgomp's wait loop (about 30 us; its default is 300,000, PASSIVE alone 0).
 # A decode iteration runs some 2,800 small kernels, and waking a sleeping thread for each cost a third of it: on an
 # idle 2-core host a step's rollouts ran 1.55x faster with the spin (docs/contention.md). Beside a process that
-# keeps a core busy the engine was slower with it (1.5-1.8x a decode iteration): GOMP_SPINCOUNT=0 turns it off.
+# keeps a core busy it is slower (a train step 1.33x, a decode step 1.59x: bench_contention.py): GOMP_SPINCOUNT=0
+# turns it off.
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 # ----------------------------------------------------------------------------------------------------------
