@@ -80,6 +80,24 @@ def rms_norm(x, weight, eps: float):
     return weight * h.to(x.dtype)
 
 
+def decode_attention(q, keys, values, prefix, mask):
+    """One query per row over [prefix | own columns], GQA heads stacked (the module docstring's equation).
+    q [B, kv heads, g, d] (the g query heads of a KV head); keys, values [B, kv heads, W, d]; prefix: the shared
+    prefix's [2, kv heads, P, d] or None; mask [B, 1, 1, P + W] (or W) additive, fp32. Returns [B, kv heads, g, d]."""
+    B, kvh, g, d = q.shape
+    scores = torch.matmul(q, keys.transpose(2, 3))                     # [B, kv heads, g, W]
+    if prefix is not None:
+        P = prefix.shape[2]
+        s_pre = torch.matmul(q.transpose(0, 1).reshape(kvh, B * g, d), prefix[0].transpose(1, 2))
+        scores = torch.cat([s_pre.view(kvh, B, g, P).transpose(0, 1), scores], -1)
+    p = torch.softmax(scores.float() * d ** -0.5 + mask, -1).to(values.dtype)
+    out = torch.matmul(p[..., -keys.shape[2]:], values)                 # [B, kv heads, g, d]
+    if prefix is not None:
+        p_pre = p[..., :P].transpose(0, 1).reshape(kvh, B * g, P)
+        out = out + torch.matmul(p_pre, prefix[1]).view(kvh, B, g, d).transpose(0, 1)
+    return out
+
+
 class SlotKV:
     """Keys and values of `slots` rows, one tensor a layer [2, slots, kv heads, columns, head dim], written in
     place. One tensor a layer, so that growing it holds one layer twice at a time, not the whole cache."""
@@ -244,25 +262,13 @@ class SlotDecoder:
                 "mask": mask}
 
     def _decode_attention(self, li, q, k, v, plan, prefix):
-        """One query per row (rows 0..B-1 in slots 0..B-1): [prefix | own columns], GQA heads stacked."""
+        """One query per row (rows 0..B-1 in slots 0..B-1): write its key and value, attend (decode_attention)."""
         kv, B = self.cache.kv[li], q.shape[0]
-        kvh, d = self.kv_heads, self.head_dim
-        g = self.heads // kvh
         kv[0][plan["rows"], :, plan["cols"]] = k                        # [B, kv heads, d] at each row's column
         kv[1][plan["rows"], :, plan["cols"]] = v
         keys, values = kv[0, :B, :, :plan["width"]], kv[1, :B, :, :plan["width"]]
-        q = q.reshape(B, kvh, g, d)
-        scores = torch.matmul(q, keys.transpose(2, 3))                 # [B, kv heads, g, width]
-        if prefix is not None:
-            P = prefix.shape[2]
-            s_pre = torch.matmul(q.transpose(0, 1).reshape(kvh, B * g, d), prefix[0].transpose(1, 2))
-            scores = torch.cat([s_pre.view(kvh, B, g, P).transpose(0, 1), scores], -1)
-        p = torch.softmax(scores.float() * d ** -0.5 + plan["mask"], -1).to(values.dtype)
-        out = torch.matmul(p[..., -plan["width"]:], values)             # [B, kv heads, g, d]
-        if prefix is not None:
-            p_pre = p[..., :P].transpose(0, 1).reshape(kvh, B * g, P)
-            out = out + torch.matmul(p_pre, prefix[1]).view(kvh, B, g, d).transpose(0, 1)
-        return out.reshape(B, self.heads * d)
+        q = q.reshape(B, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+        return decode_attention(q, keys, values, prefix, plan["mask"]).reshape(B, self.heads * self.head_dim)
 
     def _prefill_attention(self, li, slot, start, q, k, v, prefix):
         """n queries of one admitted row over [prefix | its columns 0..start+n): sdpa with a causal mask."""

@@ -5,11 +5,11 @@ the busy slots as one contiguous block (masked past each row's length) and the p
 stacked). The rewrites, timed over 30 layers of SmolLM2-135M's shape (9 query heads, 3 KV heads, head dim 64) in
 bf16, interleaved, best of 4:
 
-  engine        slot_engine's arithmetic: two matmuls against each part, one fp32 softmax over both
+  engine        slot_engine.decode_attention: two matmuls against each part, one fp32 softmax over both
   flash-lse     CPU flash attention (aten._scaled_dot_product_flash_attention_for_cpu) once over the own columns
                 (masked) and once over the prompt, merged by their log-sum-exp
   column-major  the KV stored [columns, slots, kv heads, d], so that reading only up to the longest busy row is a
-                slice without a batch stride; the same arithmetic as the engine's
+                slice without a batch stride; then slot_engine.decode_attention
 
 Row lengths are drawn between a sixth of the buffer's columns and 64 short of them.
 
@@ -24,7 +24,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch
+import torch  # noqa: E402
+
+from slot_engine import decode_attention  # noqa: E402
 
 KVH, G, D, P, LAYERS, SLOTS = 3, 3, 64, 470, 30, 64
 SHAPES = ((8, 384), (20, 512), (20, 800), (48, 512))     # (busy rows, columns of the slot buffer)
@@ -34,15 +36,7 @@ flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 def engine(q, kv, kvc, pre, mask, bmask, w):
     B = q.shape[0]
-    keys, values = kv[0, :B], kv[1, :B]
-    W = keys.shape[2]
-    scores = torch.matmul(q, keys.transpose(2, 3))
-    s_pre = torch.matmul(q.transpose(0, 1).reshape(KVH, B * G, D), pre[0].transpose(1, 2))
-    scores = torch.cat([s_pre.view(KVH, B, G, P).transpose(0, 1), scores], -1)
-    p = torch.softmax(scores.float() * D ** -0.5 + mask, -1).to(BF)
-    out = torch.matmul(p[..., -W:], values)
-    p_pre = p[..., :P].transpose(0, 1).reshape(KVH, B * G, P)
-    return out + torch.matmul(p_pre, pre[1]).view(KVH, B, G, D).transpose(0, 1)
+    return decode_attention(q, kv[0, :B], kv[1, :B], pre, mask)
 
 
 def flash_lse(q, kv, kvc, pre, mask, bmask, w):
@@ -58,13 +52,7 @@ def flash_lse(q, kv, kvc, pre, mask, bmask, w):
 def column_major(q, kv, kvc, pre, mask, bmask, w):
     B = q.shape[0]
     keys, values = kvc[0, :w, :B].permute(1, 2, 0, 3), kvc[1, :w, :B].permute(1, 2, 0, 3)
-    scores = torch.matmul(q, keys.transpose(2, 3))
-    s_pre = torch.matmul(q.transpose(0, 1).reshape(KVH, B * G, D), pre[0].transpose(1, 2))
-    scores = torch.cat([s_pre.view(KVH, B, G, P).transpose(0, 1), scores], -1)
-    p = torch.softmax(scores.float() * D ** -0.5 + mask[..., :P + w], -1).to(BF)
-    out = torch.matmul(p[..., -w:], values)
-    p_pre = p[..., :P].transpose(0, 1).reshape(KVH, B * G, P)
-    return out + torch.matmul(p_pre, pre[1]).view(KVH, B, G, D).transpose(0, 1)
+    return decode_attention(q, keys, values, pre, mask[..., :P + w])
 
 
 def main():

@@ -44,27 +44,20 @@ def parse_args():
     return parser.parse_args()
 
 
-def decode_layer(h, w, linear, keys, values, pre_k, pre_v, mask, cos, sin, shape):
-    """One decoder layer for B decoding rows (slot_engine.SlotDecoder.forward and _decode_attention, decode rows
-    only): h [B, hidden]; keys, values [B, kv heads, W, d]; pre_k, pre_v [kv heads, P, d]; mask [B, 1, 1, P + W]."""
+def decode_layer(h, w, linear, keys, values, prefix, mask, cos, sin, shape):
+    """One decoder layer for B decoding rows (slot_engine.SlotDecoder.forward, decode rows only): h [B, hidden];
+    keys, values [B, kv heads, W, d]; prefix [2, kv heads, P, d]; mask [B, 1, 1, P + W]."""
     import torch
 
-    from slot_engine import rms_norm
+    from slot_engine import decode_attention, rms_norm
 
     H, kvh, d, eps = shape
-    B, g, P, W = h.shape[0], H // kvh, pre_k.shape[1], keys.shape[2]
+    B = h.shape[0]
     x = rms_norm(h, w["norm1"], eps)
     qkv = linear(x, w["qkv"]).view(B, H + 2 * kvh, d)
     qk = qkv[:, :H + kvh]
     qk = qk * cos + torch.roll(qk, d // 2, -1) * sin
-    q = qk[:, :H].reshape(B, kvh, g, d)
-    scores = torch.matmul(q, keys.transpose(2, 3))
-    s_pre = torch.matmul(q.transpose(0, 1).reshape(kvh, B * g, d), pre_k.transpose(1, 2))
-    scores = torch.cat([s_pre.view(kvh, B, g, P).transpose(0, 1), scores], -1)
-    p = torch.softmax(scores.float() * d ** -0.5 + mask, -1).to(values.dtype)
-    out = torch.matmul(p[..., -W:], values)
-    p_pre = p[..., :P].transpose(0, 1).reshape(kvh, B * g, P)
-    out = out + torch.matmul(p_pre, pre_v).view(kvh, B, g, d).transpose(0, 1)
+    out = decode_attention(qk[:, :H].reshape(B, kvh, H // kvh, d), keys, values, prefix, mask)
     h = h + linear(out.reshape(B, H * d), w["o"])
     x = rms_norm(h, w["norm2"], eps)
     gate, up = linear(x, w["gate_up"]).chunk(2, -1)
@@ -115,7 +108,7 @@ def main():
     def iteration(layer_fn, layer_weights, linear, data):
         h, kv, pre, mask, cos, sin = data
         for w, k, p in zip(layer_weights, kv, pre):
-            h = layer_fn(h, w, linear, k[0], k[1], p[0], p[1], mask, cos, sin, shape)
+            h = layer_fn(h, w, linear, k[0], k[1], p, mask, cos, sin, shape)
         return h
 
     def engine_linear(x, op):
@@ -136,7 +129,7 @@ def main():
             if "compile_s" not in report:
                 report["compile_s"] = round(first_s, 1)
             h, kv, pre, mask, cos, sin = data                         # one layer, compiled against eager
-            one = [fn(h, w[0], lin, kv[0][0], kv[0][1], pre[0][0], pre[0][1], mask, cos, sin, shape).float()
+            one = [fn(h, w[0], lin, kv[0][0], kv[0][1], pre[0], mask, cos, sin, shape).float()
                    for fn, w, lin in (arms["compiled"], arms["eager"])]
             ms = {arm: [] for arm in arms}
             for _ in range(args.reps):

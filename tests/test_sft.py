@@ -607,37 +607,36 @@ def test_ctrl_c_that_lands_inside_an_import_is_still_an_interruption(tmp_path, t
     assert "interrupted: the latest checkpoint is intact" in err and "--resume" in err, err
 
 
-@pytest.mark.parametrize("entry", ["rstar2_mini", "sft"])
-def test_openmp_threads_wait_passively_in_the_entry_points(entry):
-    """Importing an entry point sets OMP_WAIT_POLICY=PASSIVE before anything loads torch (whose OpenMP runtime
-    reads it once, when it loads), and keeps a value the person set."""
+def env_after_import(entry: str, name: str, **set_vars):
+    """(exit code, os.environ[name], stderr) in a fresh interpreter just after `import entry`, which must not load
+    torch (its OpenMP runtime reads the variable once, when it loads); OMP_WAIT_POLICY and GOMP_SPINCOUNT are
+    unset there unless given in set_vars."""
     import os
     import subprocess
     import sys
 
-    code = f"import os, sys; import {entry}; assert 'torch' not in sys.modules; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    root = str(Path(__file__).resolve().parent.parent)
-    run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, cwd=root, capture_output=True,  # noqa: E731
-                                   text=True, timeout=120)
-    done = run(env)
-    assert done.returncode == 0 and done.stdout.strip() == "PASSIVE", done.stderr[-2000:]
-    done = run({**env, "OMP_WAIT_POLICY": "ACTIVE"})
-    assert done.returncode == 0 and done.stdout.strip() == "ACTIVE", done.stderr[-2000:]
+    code = f"import os, sys; import {entry}; assert 'torch' not in sys.modules; print(os.environ[{name!r}])"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | set_vars
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(Path(__file__).resolve().parent.parent),
+                          capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout.strip(), done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("entry", ["rstar2_mini", "sft"])
+def test_openmp_threads_wait_passively_in_the_entry_points(entry):
+    """Importing an entry point sets OMP_WAIT_POLICY=PASSIVE before anything loads torch, and keeps a value the
+    person set."""
+    code, value, err = env_after_import(entry, "OMP_WAIT_POLICY")
+    assert code == 0 and value == "PASSIVE", err
+    code, value, err = env_after_import(entry, "OMP_WAIT_POLICY", OMP_WAIT_POLICY="ACTIVE")
+    assert code == 0 and value == "ACTIVE", err
 
 
 def test_the_main_command_spins_briefly_before_its_openmp_threads_sleep():
     """rstar2_mini sets GOMP_SPINCOUNT=3000 before anything loads torch: a waiting OpenMP thread spins about 30 us
     before it sleeps (the decode loop's many small kernels then find their team awake; docs/contention.md), and a
     value the person set is kept."""
-    import os
-    import subprocess
-    import sys
-
-    code = "import os, sys; import rstar2_mini; assert 'torch' not in sys.modules; print(os.environ['GOMP_SPINCOUNT'])"
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    root = str(Path(__file__).resolve().parent.parent)
-    for extra, expected in (({}, "3000"), ({"GOMP_SPINCOUNT": "0"}, "0")):
-        done = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, cwd=root, capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == 0 and done.stdout.strip() == expected, done.stderr[-2000:]
+    code, value, err = env_after_import("rstar2_mini", "GOMP_SPINCOUNT")
+    assert code == 0 and value == "3000", err
+    code, value, err = env_after_import("rstar2_mini", "GOMP_SPINCOUNT", GOMP_SPINCOUNT="0")
+    assert code == 0 and value == "0", err
