@@ -609,14 +609,15 @@ def test_ctrl_c_that_lands_inside_an_import_is_still_an_interruption(tmp_path, t
 
 def env_after_import(entry: str, name: str, **set_vars):
     """(exit code, os.environ[name], stderr) in a fresh interpreter just after `import entry`, which must not load
-    torch (its OpenMP runtime reads the variable once, when it loads); OMP_WAIT_POLICY and GOMP_SPINCOUNT are
-    unset there unless given in set_vars."""
+    torch (its OpenMP runtime reads the variable once, when it loads); OMP_WAIT_POLICY, GOMP_SPINCOUNT and
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY are unset there unless given in set_vars."""
     import os
     import subprocess
     import sys
 
     code = f"import os, sys; import {entry}; assert 'torch' not in sys.modules; print(os.environ[{name!r}])"
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | set_vars
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                                                "ONEDNN_PRIMITIVE_CACHE_CAPACITY")} | set_vars
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(Path(__file__).resolve().parent.parent),
                           capture_output=True, text=True, timeout=120)
     return done.returncode, done.stdout.strip(), done.stderr[-2000:]
@@ -640,3 +641,14 @@ def test_the_main_command_spins_briefly_before_its_openmp_threads_sleep():
     assert code == 0 and value == "3000", err
     code, value, err = env_after_import("rstar2_mini", "GOMP_SPINCOUNT", GOMP_SPINCOUNT="0")
     assert code == 0 and value == "0", err
+
+
+def test_the_main_command_keeps_few_onednn_kernels():
+    """rstar2_mini caps oneDNN's primitive cache at 128 before anything loads torch: every new GEMM shape of the
+    update (its micro-batches' token counts vary) kept a compiled kernel in the default cache of 1,024, and the
+    resident size between updates grew with them (docs/memory.md). A value the person set is kept."""
+    code, value, err = env_after_import("rstar2_mini", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    assert code == 0 and value == "128", err
+    code, value, err = env_after_import("rstar2_mini", "ONEDNN_PRIMITIVE_CACHE_CAPACITY",
+                                        ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024")
+    assert code == 0 and value == "1024", err
