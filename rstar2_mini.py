@@ -63,8 +63,9 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 # oneDNN keeps a compiled kernel ("primitive") for each GEMM shape it has run, 1,024 of them by default. The update's
 # micro-batches have token counts that vary from one to the next, so nearly every one adds new kernels, and the
 # resident size between updates grew by 250-300 MB an update with them; at 128 (still every shape a micro-batch or a
-# decode iteration uses) it grew about half as much and an update's peak was 0.2-0.4 GB lower, at the same speed
-# (docs/memory.md). oneDNN reads it when it first builds a kernel; an explicit value in the environment wins.
+# decode iteration uses) it grew about half as much and an update's peak was 0.2-0.4 GB lower, with no slowdown
+# beyond this host's spread between runs (docs/memory.md). oneDNN reads it when it first builds a kernel; an explicit
+# value in the environment wins.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
 
 # ----------------------------------------------------------------------------------------------------------
