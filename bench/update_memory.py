@@ -13,11 +13,12 @@ batches. Resident size (RSS) is read every 20 ms.
     python bench/update_memory.py --model runs/rstar2/sft/model --capacities 1024,128,64 --updates 3
     python bench/update_memory.py --model runs/rstar2/sft/model --profile        # and live tensors by kind
 
-Per capacity and update: seconds, RSS before it (after models.free_between_phases) and its peak; the RSS after
-the last. --profile: the last update of each process runs under torch's memory profiler and prints the live tensor
-bytes at their peak by kind (parameters, optimizer state, activations, gradients...), against which the RSS
-peak shows what the allocator holds beyond live tensors (the profiler's own records raise RSS: read RSS from a run
-without --profile). The last line printed is one JSON object.
+Per capacity and update: seconds, the live tensors (distinct storages the garbage collector sees) and RSS before it
+(after models.free_between_phases), its RSS peak; both after the last. --profile: the last update of each process
+runs under torch's memory profiler and prints the live tensor bytes at their peak by kind (parameters, optimizer
+state, activations, gradients...), against which the RSS peak shows what the allocator holds beyond live tensors
+(the profiler's own records raise RSS: read RSS from a run without --profile). The last line printed is one JSON
+object.
 """
 from __future__ import annotations
 
@@ -38,6 +39,20 @@ sys.path.insert(0, str(ROOT))
 def rss_gb() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1e6
+
+
+def live_tensor_gb() -> float:
+    """Bytes of the distinct tensor storages the garbage collector can see (weights, AdamW moments, gradients...)."""
+    import gc
+
+    import torch
+
+    seen = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values()) / 1e9
 
 
 def shaped_batch(tokenizer, questions, seed: int, rows: int) -> list:
@@ -100,6 +115,7 @@ def one_process(args) -> dict:
     for k, (seed, rows) in enumerate(plan):
         kept = shaped_batch(tokenizer, questions, seed, rows)
         models.free_between_phases()
+        live = live_tensor_gb()
         before = peak[0] = rss_gb()
         profiled = args.profile and k == len(plan) - 1
         started = time.perf_counter()
@@ -111,14 +127,15 @@ def one_process(args) -> dict:
         else:
             rl_update.policy_update(rt, cfg, optimizer, schedule, kept, random.Random(seed))
         row = {"trajectories": rows, "tokens": sum(len(t.input_ids) for t, _ in kept),
-               "s": round(time.perf_counter() - started, 1), "rss_before_gb": round(before, 3),
+               "s": round(time.perf_counter() - started, 1), "live_tensors_before_gb": round(live, 3),
+               "rss_before_gb": round(before, 3),
                "rss_peak_gb": round(peak[0], 3)}
         if profiled:
             row |= live_tensor_peak(prof)
         out["updates"].append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     models.free_between_phases()
-    out["rss_after_gb"] = round(rss_gb(), 3)
+    out["live_tensors_after_gb"], out["rss_after_gb"] = round(live_tensor_gb(), 3), round(rss_gb(), 3)
     return out
 
 
