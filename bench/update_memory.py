@@ -23,6 +23,7 @@ object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -32,13 +33,15 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
 def rss_gb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1e6
+    """Resident size in kB / 10^6, as RESULTS.md reads /usr/bin/time's kB."""
+    return psutil.Process().memory_info().rss / 1024 / 1e6
 
 
 def live_tensor_gb() -> float:
@@ -119,12 +122,9 @@ def one_process(args) -> dict:
         before = peak[0] = rss_gb()
         profiled = args.profile and k == len(plan) - 1
         started = time.perf_counter()
-        if profiled:
-            from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                         with_stack=True) as prof:
-                rl_update.policy_update(rt, cfg, optimizer, schedule, kept, random.Random(seed))
-        else:
+        with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                     record_shapes=True, with_stack=True) if profiled
+              else contextlib.nullcontext()) as prof:
             rl_update.policy_update(rt, cfg, optimizer, schedule, kept, random.Random(seed))
         row = {"trajectories": rows, "tokens": sum(len(t.input_ids) for t, _ in kept),
                "s": round(time.perf_counter() - started, 1), "live_tensors_before_gb": round(live, 3),
