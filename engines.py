@@ -160,8 +160,8 @@ class TransformersEngine:
     Positions count real tokens only (no padding anywhere), so each row sees the positions of a plain forward of
     its own context. A row whose context does not start with the shared prefix masks the prefix and keeps its whole
     context in its own columns. engine.trace (set it to a list) records every iteration's busy rows, their longest
-    own context, the tokens forwarded and the milliseconds; occupancy() summarizes the iterations since the last
-    reset_occupancy()."""
+    own context, the tokens forwarded (and of them, prefilled: admitted rows' contexts) and the milliseconds;
+    occupancy() summarizes the iterations since the last reset_occupancy()."""
 
     def __init__(self, model, tokenizer, max_batch: int = 16, kv_capacity_tokens: int = 65536,
                  device: str = "cpu", share_prefix: bool = True, tool_state: str = "stateless"):
@@ -249,14 +249,19 @@ class TransformersEngine:
         release_freed_memory()
 
     def reset_occupancy(self) -> None:
-        self._occ = {"iterations": 0, "rows": 0, "columns": 0, "seconds": 0.0, "tokens": 0}
+        self._occ = {"iterations": 0, "rows": 0, "columns": 0, "seconds": 0.0, "tokens": 0, "prefill_tokens": 0,
+                     "prefill_iterations": 0, "prefill_seconds": 0.0}
 
     def occupancy(self) -> dict:
         """The iterations since reset_occupancy(): how many, busy rows and longest own context per iteration
-        (means), milliseconds per iteration, tokens forwarded (sampled and prefilled)."""
+        (means), milliseconds per iteration, tokens forwarded (sampled and prefilled); of those, the prefilled ones
+        (admitted rows' contexts: prompts past the shared prefix, tool responses), and the iterations that
+        prefilled any, with their seconds."""
         o, n = self._occ, max(self._occ["iterations"], 1)
         return {"iterations": o["iterations"], "rows_mean": o["rows"] / n, "columns_mean": o["columns"] / n,
-                "ms_per_iteration": 1000 * o["seconds"] / n, "tokens": o["tokens"], "slots": self.max_batch}
+                "ms_per_iteration": 1000 * o["seconds"] / n, "tokens": o["tokens"], "slots": self.max_batch,
+                "prefill_tokens": o["prefill_tokens"], "prefill_iterations": o["prefill_iterations"],
+                "prefill_seconds": o["prefill_seconds"]}
 
     # -- the asyncio side ----------------------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -326,6 +331,7 @@ class TransformersEngine:
                     if items is None:
                         return
                     ids, pos, shape = [], [], []
+                    decoding = len(rows)
                     for r in rows:        # decoding rows: the token each sampled last
                         ids.append(r.new_ids[-1])
                         pos.append(r.next_pos + len(r.new_ids) - 1)
@@ -352,7 +358,7 @@ class TransformersEngine:
                                 self._keep_kv(row, j)
                             on_finish(row.item, GenResult(row.new_ids, row.new_lps, why))
                             done.append(j)
-                    self._record(rows, ids, started)
+                    self._record(rows, len(ids), len(ids) - decoding, started)
                     rows = self._leave(rows, done)
             finally:
                 self._in_flight = []
@@ -374,16 +380,17 @@ class TransformersEngine:
             self._stop_tokens[stop_text] = tokens_holding(self.tokenizer, stop_text[-1])
         return self._stop_tokens[stop_text]
 
-    def _record(self, rows, ids, started: float) -> None:
+    def _record(self, rows, tokens: int, prefilled: int, started: float) -> None:
         import time
 
         seconds = time.perf_counter() - started
         columns = max(self.decoder.cache.lens[:len(rows)])
         for key, value in (("iterations", 1), ("rows", len(rows)), ("columns", columns), ("seconds", seconds),
-                           ("tokens", len(ids))):
+                           ("tokens", tokens), ("prefill_tokens", prefilled), ("prefill_iterations", prefilled > 0),
+                           ("prefill_seconds", seconds if prefilled else 0.0)):
             self._occ[key] += value
         if self.trace is not None:
-            self.trace.append({"rows": len(rows), "columns": columns, "tokens": len(ids),
+            self.trace.append({"rows": len(rows), "columns": columns, "tokens": tokens, "prefill": prefilled,
                                "ms": round(1000 * seconds, 2)})
 
     def _leave(self, rows, done: list[int]):

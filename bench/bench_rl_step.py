@@ -16,8 +16,10 @@ the step's shape is: same problems, same lengths budget. The last line printed i
 decode shape's fp32 and bf16 matmul rates on this CPU, timed before the arms run, each arm's rollout-phase share of
 the rate of the dtype its engine runs in (bench/roofline.py; precision=auto: bf16 where the CPU has bf16 units),
 and, where the arm records its occupancy (rollout_rows_mean, ...: the current engine), the rollout phase's share
-of its floor: iterations x the per-iteration floor at the mean rows and columns / the phase's time
-(roofline.iteration_floor_ms, at the cold GEMM rate and STREAM bandwidth); the update's share of its floor:
+of its floor: iterations x the per-iteration floor at the mean rows and columns, plus the prefilled tokens (prompts
+past the shared prefix, tool responses) at the cold GEMM rate, over the phase's time (roofline.phase_floor_s, at
+the cold GEMM rate and STREAM bandwidth; a current arm that does not record prefilled tokens counts none); the
+update's share of its floor:
 6 x parameters FLOPs a trained token (forward and backward) at the cold GEMM rate of 1024 rows (the trainer's
 micro-batch shape) / the update's time.
 """
@@ -107,25 +109,27 @@ def run_arm(tree: Path, out: Path, extra: list[str]) -> list[dict]:
 
 KEYS = ("rollout_time_s", "step_time_s", "gen_tokens_per_s", "train_tokens_per_s", "peak_mem_gb",
         "logprob_diff_mean", "logprob_diff_max", "response_len", "rollout_iterations", "rollout_rows_mean",
-        "rollout_columns_mean", "rollout_ms_per_iteration", "train_tokens", "problems_resampled")
+        "rollout_columns_mean", "rollout_ms_per_iteration", "rollout_prefill_tokens", "rollout_prefill_s",
+        "train_tokens", "problems_resampled")
 
 
 def floor_shares(row: dict) -> dict:
     """The rollout phase's and the update's share of their floors (module docstring), for one step."""
     out = {}
     if row.get("rollout_iterations"):
-        floor = roofline.iteration_floor_ms(engine_model, row["rollout_rows_mean"], row["rollout_columns_mean"],
-                                            prefix, cold_rate, bandwidth, torch.finfo(engine_dtype).bits // 8)
-        out["rollout_share_of_floor"] = round(row["rollout_iterations"] * floor["floor_ms"]
-                                              / (1000 * row["rollout_time_s"]), 3)
-        out["iteration_share_of_floor"] = round(floor["floor_ms"] / row["rollout_ms_per_iteration"], 3)
+        floor = roofline.phase_floor_s(engine_model, row["rollout_iterations"], row["rollout_rows_mean"],
+                                       row["rollout_columns_mean"], prefix, row.get("rollout_prefill_tokens", 0),
+                                       cold_rate, bandwidth, torch.finfo(engine_dtype).bits // 8)
+        out["rollout_share_of_floor"] = round(floor["floor_s"] / row["rollout_time_s"], 3)
+        out["rollout_decode_floor_s"] = round(floor["decode_floor_s"], 2)
+        out["rollout_prefill_floor_s"] = round(floor["prefill_floor_s"], 2)
     update_s = row["step_time_s"] - row["rollout_time_s"]
     if row.get("train_tokens") and update_s > 0:
         out["update_share_of_floor"] = round(row["train_tokens"] * roofline.flops_per_token(engine_model) * 3
                                              / (update_rate * 1e9) / update_s, 3)
     return out
 
-SHARES = ("rollout_share_of_floor", "iteration_share_of_floor", "update_share_of_floor")
+SHARES = ("rollout_share_of_floor", "rollout_decode_floor_s", "rollout_prefill_floor_s", "update_share_of_floor")
 
 with tempfile.TemporaryDirectory(prefix="bench_rl_step-") as tmp:
     tmp = Path(tmp)

@@ -8,6 +8,9 @@ the MLP's up projection at the decode shape, [R x hidden] x [hidden x intermedia
 (bf16 is ~8x fp32 where the CPU has AVX512-BF16 or AMX units and emulated, slower than fp32, where it has not).
 
     share = tokens/s x flops_per_token / matmul rate of the dtype the engine runs in
+
+Below: the floor of a real decode iteration (cold weights, memory bandwidth), and of a whole rollout phase (its
+iterations plus the tokens it prefilled).
 """
 from __future__ import annotations
 
@@ -136,3 +139,29 @@ def iteration_floor_ms(model, rows: float, columns: float, prefix: int, gflops: 
     compute_ms, memory_ms = 1e3 * flops / (gflops * 1e9), 1e3 * moved / (gbs * 1e9)
     return {"floor_ms": round(max(compute_ms, memory_ms), 2), "compute_ms": round(compute_ms, 2),
             "memory_ms": round(memory_ms, 2), "bound": "memory" if memory_ms > compute_ms else "compute"}
+
+
+# ---- the floor of a rollout phase: its decode iterations, and the tokens it prefilled
+#
+# Besides one sampled token per busy row, a phase forwards the contexts of the rows it admits: each prompt past
+# the shared prefix, and after every tool call the tool's response (engine.occupancy()'s prefill_tokens). A
+# prefilled token runs every decoder layer but not the vocabulary head, and attends to its row's context:
+#
+#     phase floor = iterations x iteration floor (rows_mean, columns_mean)
+#                   + prefill tokens x (layer FLOPs + 4 x (P + columns_mean) x layers x heads x head dim) / rate
+#
+# (an admitted row's last token is counted in both terms: under 2% of a real phase's tokens).
+
+
+def phase_floor_s(model, iterations: int, rows: float, columns: float, prefix: int, prefill_tokens: int,
+                  gflops: float, gbs: float, dtype_bytes: int) -> dict:
+    """The floor of a rollout phase (see above), in seconds: its decode part and its prefill part."""
+    cfg = model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head = model.get_output_embeddings().weight
+    layer_params = sum(p.numel() for name, p in model.named_parameters()
+                       if p.dim() == 2 and "embed" not in name and p is not head)   # the decoder layers' matrices
+    per_token = 2 * layer_params + 4 * (prefix + columns) * cfg.num_hidden_layers * cfg.num_attention_heads * d
+    decode_s = iterations * iteration_floor_ms(model, rows, columns, prefix, gflops, gbs, dtype_bytes)["floor_ms"] / 1e3
+    prefill_s = prefill_tokens * per_token / (gflops * 1e9)
+    return {"floor_s": decode_s + prefill_s, "decode_floor_s": decode_s, "prefill_floor_s": prefill_s}

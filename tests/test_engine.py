@@ -106,6 +106,25 @@ def test_a_free_slot_is_filled_in_the_next_iteration_and_the_trace_says_so(token
     assert occ["iterations"] == len(rows) and occ["rows_mean"] == pytest.approx(sum(rows) / len(rows))
 
 
+def test_the_occupancy_counts_prefilled_tokens_and_the_time_of_the_iterations_that_prefill(tokenizer, tiny):
+    """A rollout phase forwards two kinds of tokens: one sampled token per decoding row, and the contexts of the
+    rows admitted (their prompts past the shared prefix; after a tool call, the tool's response). The occupancy
+    counts the latter (the oracle: each request's own context, by hand) and the seconds of the iterations that
+    forwarded any, which a floor of the phase needs (bench_rl_step.py)."""
+    engine = S.TransformersEngine(tiny, tokenizer, max_batch=4)
+    prompts = [S.render_prompt(tokenizer, f"question {i}" * (i + 1)) for i in range(6)]
+    reqs = [S.GenRequest(p, 3 + 2 * i, temperature=1.0, seed=i, stop_text="@@") for i, p in enumerate(prompts)]
+    engine.trace = []
+    wave(engine, reqs)
+    own = sum(len(r.ids) - len(engine.prefix_ids) for r in reqs)   # every prompt starts with the shared prefix
+    assert all(r.ids[:len(engine.prefix_ids)] == engine.prefix_ids for r in reqs)
+    occ = engine.occupancy()
+    assert occ["prefill_tokens"] == own == sum(t["prefill"] for t in engine.trace)
+    assert occ["tokens"] == own + sum(t["rows"] for t in engine.trace) - len(reqs)   # the rest: one per row
+    assert occ["prefill_iterations"] == sum(t["prefill"] > 0 for t in engine.trace) == engine.waves >= 2
+    assert 0 < occ["prefill_seconds"] <= occ["ms_per_iteration"] * occ["iterations"] / 1000 + 1e-9
+
+
 def test_a_weight_sync_reaches_the_fused_operands_also_when_the_trainer_shares_the_model(tokenizer):
     """The engine samples from copies of the weights (fused, maybe prepacked): after the trainer changes its
     model in place and syncs (load_weights of the engine's own model), the engine samples as a fresh engine on
@@ -169,3 +188,24 @@ def test_prepacked_bf16_gemms_equal_plain_ones():
     for rows in (1, 17, 64):
         x = torch.randn(rows, 576).bfloat16()
         assert torch.equal(packed(x), torch.nn.functional.linear(x, w.weight, w.bias))
+
+
+def test_a_rollout_phase_floor_adds_its_prefilled_tokens_at_the_decoder_layers_flops(tokenizer, tiny):
+    """bench/roofline.phase_floor_s, written out by hand for the tiny model (hidden 64, MLP 128, 2 layers, 4 query
+    heads and 2 KV heads of 16): a prefilled token multiplies by every decoder layer's weights, not by the head,
+    and attends to the prefix and the mean own context; the decode part is the iterations' floor."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import roofline
+
+    layer_params = 2 * (64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 128)   # q, k, v, o; gate, up, down
+    per_token = 2 * layer_params + 4 * (10 + 20) * 2 * 4 * 16                     # + scores and values over P + C
+    args = dict(iterations=7, rows=3.0, columns=20.0, prefix=10, gflops=1e-3, gbs=1.0, dtype_bytes=4)
+    none = roofline.phase_floor_s(tiny, prefill_tokens=0, **args)
+    some = roofline.phase_floor_s(tiny, prefill_tokens=100, **args)
+    iteration = roofline.iteration_floor_ms(tiny, 3.0, 20.0, 10, 1e-3, 1.0, 4)["floor_ms"]
+    assert none["floor_s"] == none["decode_floor_s"] == pytest.approx(7 * iteration / 1e3)
+    assert some["prefill_floor_s"] == pytest.approx(100 * per_token / 1e6)
+    assert some["floor_s"] == pytest.approx(none["floor_s"] + some["prefill_floor_s"])

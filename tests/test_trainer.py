@@ -814,6 +814,9 @@ def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_mode
     assert rows_a[0]["tool_calls_per_traj"] > 0
     # the rollout phase's occupancy: busy rows per decode iteration, at most the engine's slots
     assert all(0 < r["rollout_rows_mean"] <= r["engine_slots"] and r["rollout_iterations"] > 0 for r in rows_a)
+    # ... and what it prefilled: the prompts past the shared prefix and the tool responses, in some iterations
+    assert all(r["rollout_prefill_tokens"] > 0 and 0 < r["rollout_prefill_iterations"] < r["rollout_iterations"]
+               and 0 < r["rollout_prefill_s"] <= r["rollout_time_s"] for r in rows_a)
     samples = [(d_a / "samples" / f"step_000{k}.md").read_text() for k in (1, 2)]
     assert any("<tool_response>" in sample for sample in samples)
     assert all(r["loss"] is not None and r["grad_norm"] > 0 for r in rows_a)  # both steps updated
@@ -836,7 +839,8 @@ def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_mode
     assert [r["step"] for r in rows_b] == [1, 2]
     timing = {"step_time_s", "rollout_time_s", "gen_tokens_per_s", "train_tokens_per_s", "peak_mem_gb",
               # the engine's iterations depend on when tool results come back
-              "rollout_iterations", "rollout_rows_mean", "rollout_columns_mean", "rollout_ms_per_iteration"}
+              "rollout_iterations", "rollout_rows_mean", "rollout_columns_mean", "rollout_ms_per_iteration",
+              "rollout_prefill_tokens", "rollout_prefill_iterations", "rollout_prefill_s"}
     for key in rows_a[1]:
         if key in timing:
             continue
