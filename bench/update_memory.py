@@ -12,6 +12,7 @@ batches. Resident size (RSS) is read every 20 ms.
     python bench/update_memory.py --model runs/rstar2/sft/model                  # capacities 1024 and 128
     python bench/update_memory.py --model runs/rstar2/sft/model --capacities 1024,128,64 --updates 3
     python bench/update_memory.py --model runs/rstar2/sft/model --profile        # and live tensors by kind
+    python bench/update_memory.py --model M --capacities 128 --set micro_batch_tokens=512   # another update setting
 
 Per capacity and update: seconds, the live tensors (distinct storages the garbage collector sees) and RSS before it
 (after models.free_between_phases), its RSS peak; both after the last. --profile: the last update of each process
@@ -99,7 +100,8 @@ def one_process(args) -> dict:
 
     path = models.resolve_model(args.model)
     tokenizer = models.load_tokenizer(path)
-    cfg = R.parse_args(["--stage", "1"])   # the main command's update settings
+    # the main command's update settings, and --set's overrides
+    cfg = R.parse_args(["--stage", "1", *[a for item in args.set for a in ("--set", item)]])
     model = models.load_model(path, dtype=torch.float32)
     optimizer, schedule = R.make_optimizer(model, cfg)
     rt = R.Runtime(model, tokenizer, engines=[], pool=None, loop=None)
@@ -145,6 +147,8 @@ def main() -> None:
     p.add_argument("--capacities", default="1024,128", help="oneDNN primitive-cache capacities, one process each")
     p.add_argument("--updates", type=int, default=2, help="updates of 24 trajectories after the warm-up")
     p.add_argument("--profile", action="store_true", help="live tensors by kind at the last update's peak")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a Config override for the update, as rstar2_mini.py takes it (e.g. micro_batch_tokens=512)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -155,7 +159,8 @@ def main() -> None:
     results = []
     for capacity in args.capacities.split(","):
         env = os.environ | {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": capacity.strip()}
-        cmd = [sys.executable, __file__, "--child", "--model", args.model, "--updates", str(args.updates)]
+        cmd = [sys.executable, __file__, "--child", "--model", args.model, "--updates", str(args.updates),
+               *[a for item in args.set for a in ("--set", item)]]
         done = subprocess.run(cmd + (["--profile"] if args.profile else []), env=env, stdout=subprocess.PIPE,
                               text=True, cwd=str(ROOT))
         if done.returncode != 0:
@@ -165,7 +170,7 @@ def main() -> None:
             f"update {k} ({u['trajectories']} traj., {u['tokens']} tokens) {u['s']} s, RSS {u['rss_before_gb']} -> "
             f"peak {u['rss_peak_gb']} GB" for k, u in enumerate(results[-1]["updates"]))
             + f"; after {results[-1]['rss_after_gb']} GB", flush=True)
-    print(json.dumps({"bf16_units": models.bf16_is_fast("cpu"), "runs": results}))
+    print(json.dumps({"bf16_units": models.bf16_is_fast("cpu"), "overrides": args.set, "runs": results}))
 
 
 if __name__ == "__main__":
