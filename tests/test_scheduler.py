@@ -564,40 +564,40 @@ def test_sampled_tokens_follow_the_softmax_at_temperature():
 
 
 def test_inverse_cdf_gives_every_token_its_softmax_share_at_the_real_vocabulary_size(monkeypatch):
-    """At SmolLM2's 49,152 tokens: the intervals that the sampler's own cumulative sums give the tokens (read where
-    it searches them) against softmax(logits / T) in float64. In float32 the sum's step near its top is 6e-8, so
-    tokens got intervals of width 0 (never drawn) and others were rounded up: hundreds to tens of thousands of
-    drawable tokens lost, a total variation of 3e-4. The point it searches must have more than float32's 24 bits
-    too, or the tokens between two float32 points are never reached. Deterministic: no counting of draws."""
+    """At SmolLM2's 49,152 tokens: the weights that sample_rows hands the inverse CDF (engines.inverse_cdf, read
+    where it is called), and the point drawn, against softmax(logits / T) in float64. In float32 the running sum's
+    step near its top is 6e-8, so tokens got intervals of width 0 (never drawn) and others were rounded up:
+    hundreds to tens of thousands of drawable tokens lost, a total variation of 3e-4. The point must have more
+    than float32's 24 bits too, or the tokens between two float32 points are never reached. The inverse CDF
+    itself against one float64 running sum: tests/test_engine.py. Deterministic: no counting of draws."""
     import numpy as np
 
     import engines
 
-    searched = []   # (cumulative sums, point searched) of every row
-    real = torch.searchsorted
-
-    def spy(sorted_sequence, value, *args, **kwargs):
-        searched.append((sorted_sequence, value))
-        return real(sorted_sequence, value, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "searchsorted", spy)
+    handed = []   # (weights, uniforms) of every call
+    real = engines.inverse_cdf
+    monkeypatch.setattr(engines, "inverse_cdf", lambda probs, u: handed.append((probs, u)) or real(probs, u))
     V = 49_152
     spreads, temps = [2.0, 4.0, 8.0, 4.0], [1.0, 1.0, 1.0, 0.7]
     gen = torch.Generator().manual_seed(0)
     logits = torch.stack([torch.randn(V, generator=gen) * s for s in spreads])
     tokens, _ = engines.sample_rows(logits, temps, [1.0] * 4, [torch.Generator().manual_seed(i) for i in range(4)])
-    assert len(searched) == 1                                              # all rows at once
-    for row, (cdf, point) in enumerate(zip(*searched[0])):
+    assert len(handed) == 1                                                # all rows at once
+    probs, u = handed[0]
+    for row in range(4):
         z = logits[row].double().numpy() / temps[row]
         p = np.exp(z - z.max())
         p /= p.sum()                                                       # the oracle: softmax in float64
-        c = cdf.double().cpu().numpy()
-        width = np.diff(np.concatenate([[0.0], c])) / c[-1]                # token k: [cdf[k-1], cdf[k]) / total
+        w = probs[row].double().numpy()
+        width = w / w.sum()                                                # token k's share of [0, 1)
         lost = int(((width == 0) & (p > 1e-12)).sum())
         tv = 0.5 * np.abs(width - p).sum()
         assert lost == 0 and tv < 1e-6, f"row {row}: {lost} tokens with p > 1e-12 never drawn, TV {tv:.2e}"
-        assert c[tokens[row] - 1] <= float(point) < c[tokens[row]] if tokens[row] else float(point) < c[0]
-        assert float(point) != float(np.float32(float(point))), f"row {row}: the point searched has 24 bits"
+        cdf = np.cumsum(w)
+        point = float(u[row]) * cdf[-1]
+        assert (cdf[tokens[row] - 1] if tokens[row] else 0.0) <= point < cdf[tokens[row]]
+        assert u.dtype == torch.float64 and float(u[row]) != float(np.float32(float(u[row]))), \
+            f"row {row}: the point drawn has 24 bits"
 
 
 def test_engine_matches_generate_and_trainer_logprobs(tokenizer, tiny):
