@@ -140,10 +140,11 @@ def inverse_cdf(probs, u):
     In two levels, as one cumulative sum over the whole row would give them: the block of CDF_BLOCK tokens that
     holds the point, from the blocks' float64 sums (S_j, edges E_j = S_1 + ... + S_j, point u * E_last); then
     the token inside that block, from the block's own float64 cumulative sum against point - E_(j-1). torch's
-    float64 cumsum runs element by element (~7 ns each: 7 ms of a 70 ms decode iteration at 20 rows x 49,152);
-    the block sums are vectorized. The two sums differ from one running sum in their last bits only (~1e-16 of
-    the total): a point that close to an interval's edge is the only case that could draw the neighbour
-    (tests/test_engine.py: the same tokens over 60,000 points and 9,000 interval midpoints)."""
+    float64 cumsum runs element by element (about 7 ns each: 7 ms for 20 rows x 49,152 timed alone, against
+    decode iterations of 60-70 ms at 20 rows); the block sums are vectorized. The two sums differ from one
+    running sum in their last bits only (~1e-16 of the total): a point that close to an interval's edge is the
+    only case that could draw the neighbour (tests/test_engine.py: the same tokens over 60,000 points and 9,000
+    interval midpoints)."""
     import torch
     import torch.nn.functional as F
 
@@ -153,8 +154,8 @@ def inverse_cdf(probs, u):
     if blocks * K != V:
         probs = F.pad(probs, (0, blocks * K - V))                          # zeros: never drawn
     probs = probs.reshape(R, blocks, K)
-    # [R, blocks] E_j, eight rows at a time: the float64 copy of all rows that sum makes (19 MB at 48 rows) came
-    # fresh from the system at every call; at 20-64 rows the sampler took 6-16 ms so and 3.5-5.7 ms with 3 MB ones
+    # [R, blocks] E_j, eight rows at a time: the float64 copy of its input that sum makes (19 MB for 48 rows) came
+    # fresh from the system at every call (sample_rows at 20-64 rows: 6-16 ms with one copy, 3.5-5.7 ms with 3 MB ones)
     edges = torch.cat([part.sum(-1, dtype=torch.float64) for part in probs.split(8)]).cumsum(-1)
     point = u * edges[:, -1]
     j = torch.searchsorted(edges, point[:, None], right=True)[:, 0].clamp_(max=blocks - 1)

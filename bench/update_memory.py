@@ -1,18 +1,20 @@
 """Resident memory of the policy update over several updates, under each oneDNN primitive-cache capacity.
 
 oneDNN keeps a compiled kernel ("primitive") for each GEMM shape it has run (ONEDNN_PRIMITIVE_CACHE_CAPACITY, 1,024
-by default; rstar2_mini.py sets 128). The update's micro-batches have token counts that vary from one to the next,
-so most of them add kernels. Each capacity runs in its own process (oneDNN reads the variable once), one after
-another: the SFT model (or any), AdamW as the main command makes it, then updates (rl_update.policy_update, the
-CPU preset's settings) on batches shaped like the main command's: a warm-up of 12 trajectories, then --updates of
-24, each trajectory the system prompt, a question and 1-3 model turns with tool responses between (random tokens;
-the memory does not depend on their values). The same seeds in every process, so every capacity sees the same
-batches. Resident size (RSS) is read every 20 ms.
+by default; rstar2_mini.py sets 128), and torch's bridge to it (ideep) a cache of matmul descriptors that hold their
+primitives (LRU_CACHE_CAPACITY, 1,024 by default; rstar2_mini.py sets 128, --ideep-capacity here). The update's
+micro-batches have token counts that vary from one to the next, so most of them add kernels. Each capacity runs in
+its own process (oneDNN reads the variable once), one after another: the SFT model (or any), AdamW as the main
+command makes it, then updates (rl_update.policy_update, the CPU preset's settings) on batches shaped like the main
+command's: a warm-up of 12 trajectories, then --updates of 24, each trajectory the system prompt, a question and 1-3
+model turns with tool responses between (random tokens; the memory does not depend on their values). The same seeds
+in every process, so every capacity sees the same batches. Resident size (RSS) is read every 20 ms.
 
     python bench/update_memory.py --model runs/rstar2/sft/model                  # capacities 1024 and 128
     python bench/update_memory.py --model runs/rstar2/sft/model --capacities 1024,128,64 --updates 3
     python bench/update_memory.py --model runs/rstar2/sft/model --profile        # and live tensors by kind
     python bench/update_memory.py --model M --capacities 128 --set micro_batch_tokens=512   # another update setting
+    python bench/update_memory.py --model M --capacities 128 --ideep-capacity 1024   # torch's own cache at its default
 
 Per capacity and update: seconds, the live tensors (distinct storages the garbage collector sees) and RSS before it
 (after models.free_between_phases), its RSS peak; both after the last. --profile: the last update of each process
@@ -114,8 +116,8 @@ def one_process(args) -> dict:
             time.sleep(0.02)
 
     threading.Thread(target=sample, daemon=True).start()
-    out = {"capacity": os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], "threads": torch.get_num_threads(),
-           "updates": []}
+    out = {"capacity": os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"],
+           "ideep_capacity": os.environ["LRU_CACHE_CAPACITY"], "threads": torch.get_num_threads(), "updates": []}
     plan = [(1, 12)] + [(3 + k, 24) for k in range(args.updates)]   # (seed, trajectories): a warm-up first
     for k, (seed, rows) in enumerate(plan):
         kept = shaped_batch(tokenizer, questions, seed, rows)
@@ -145,6 +147,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a model directory (default: the bundled model)")
     p.add_argument("--capacities", default="1024,128", help="oneDNN primitive-cache capacities, one process each")
+    p.add_argument("--ideep-capacity", default="128", help="LRU_CACHE_CAPACITY, torch's own cache of matmul "
+                   "descriptors (ideep), in every process: rstar2_mini.py sets 128; torch's default is 1024")
     p.add_argument("--updates", type=int, default=2, help="updates of 24 trajectories after the warm-up")
     p.add_argument("--profile", action="store_true", help="live tensors by kind at the last update's peak")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -158,7 +162,8 @@ def main() -> None:
     args.model = args.model or str(models.resolve_model(models.DEFAULT_MODEL))
     results = []
     for capacity in args.capacities.split(","):
-        env = os.environ | {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": capacity.strip()}
+        env = os.environ | {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": capacity.strip(),
+                            "LRU_CACHE_CAPACITY": args.ideep_capacity}
         cmd = [sys.executable, __file__, "--child", "--model", args.model, "--updates", str(args.updates),
                *[a for item in args.set for a in ("--set", item)]]
         done = subprocess.run(cmd + (["--profile"] if args.profile else []), env=env, stdout=subprocess.PIPE,

@@ -609,15 +609,16 @@ def test_ctrl_c_that_lands_inside_an_import_is_still_an_interruption(tmp_path, t
 
 def env_after_import(entry: str, name: str, **set_vars):
     """(exit code, os.environ[name], stderr) in a fresh interpreter just after `import entry`, which must not load
-    torch (its OpenMP runtime reads the variable once, when it loads); OMP_WAIT_POLICY, GOMP_SPINCOUNT and
-    ONEDNN_PRIMITIVE_CACHE_CAPACITY are unset there unless given in set_vars."""
+    torch (its OpenMP runtime reads the variable once, when it loads); OMP_WAIT_POLICY, GOMP_SPINCOUNT,
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY and LRU_CACHE_CAPACITY are unset there unless given in set_vars."""
     import os
     import subprocess
     import sys
 
     code = f"import os, sys; import {entry}; assert 'torch' not in sys.modules; print(os.environ[{name!r}])"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
-                                                                "ONEDNN_PRIMITIVE_CACHE_CAPACITY")} | set_vars
+                                                                "ONEDNN_PRIMITIVE_CACHE_CAPACITY",
+                                                                "LRU_CACHE_CAPACITY")} | set_vars
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(Path(__file__).resolve().parent.parent),
                           capture_output=True, text=True, timeout=120)
     return done.returncode, done.stdout.strip(), done.stderr[-2000:]
@@ -651,4 +652,15 @@ def test_the_main_command_keeps_few_onednn_kernels():
     assert code == 0 and value == "128", err
     code, value, err = env_after_import("rstar2_mini", "ONEDNN_PRIMITIVE_CACHE_CAPACITY",
                                         ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024")
+    assert code == 0 and value == "1024", err
+
+
+def test_the_main_command_keeps_few_matmul_descriptors_in_torchs_own_cache():
+    """torch's oneDNN bridge (ideep) keeps its own least-recently-used cache of matmul descriptors, each holding its
+    primitive, 1,024 by default (LRU_CACHE_CAPACITY): over updates with varying micro-batch shapes it held oneDNN's
+    compiled kernels alive past the primitive cache's cap, and the resident size between updates grew ~150 MB an
+    update. rstar2_mini caps it at 128 before anything loads torch (docs/memory.md); a value the person set is kept."""
+    code, value, err = env_after_import("rstar2_mini", "LRU_CACHE_CAPACITY")
+    assert code == 0 and value == "128", err
+    code, value, err = env_after_import("rstar2_mini", "LRU_CACHE_CAPACITY", LRU_CACHE_CAPACITY="1024")
     assert code == 0 and value == "1024", err
