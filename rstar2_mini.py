@@ -67,10 +67,10 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 # beyond this host's spread between runs (docs/memory.md). oneDNN reads it when it first builds a kernel; an explicit
 # value in the environment wins.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
-# torch's bridge to oneDNN (ideep) keeps a second such cache, of matmul descriptors that each hold their primitive,
-# 1,024 by default: it kept the compiled kernels alive after oneDNN's own cache had let them go, and the resident
-# size between updates still grew ~150 MB an update; at 128 it stayed flat (2.62-2.64 GB over three updates), an
-# update's peak was 0.1-0.5 GB lower, and no update was slower (docs/memory.md). An explicit value wins.
+# torch's bridge to oneDNN (ideep) keeps a second such cache, of matmul descriptors, 1,024 by default: with it oneDNN
+# objects stayed alive after oneDNN's own cache was full, and the resident size between updates still grew ~150 MB
+# an update; at 128 it stayed flat (2.62-2.64 GB over three updates), an update's peak was 0.1-0.5 GB lower, and no
+# update was slower (docs/memory.md). An explicit value wins.
 os.environ.setdefault("LRU_CACHE_CAPACITY", "128")
 
 # ----------------------------------------------------------------------------------------------------------
