@@ -658,7 +658,8 @@ def test_the_main_command_keeps_few_onednn_kernels():
 def test_the_main_command_keeps_few_matmul_descriptors_in_torchs_own_cache():
     """torch's oneDNN bridge (ideep) keeps its own least-recently-used cache of matmul descriptors, 1,024 by default
     (LRU_CACHE_CAPACITY): over updates with varying micro-batch shapes oneDNN objects stayed alive with it past the
-    primitive cache's cap, and the resident size between updates grew ~150 MB an update. rstar2_mini caps it at 128 before anything loads torch (docs/memory.md); a value the person set is kept."""
+    primitive cache's cap, and the resident size between updates grew ~150 MB an update. rstar2_mini caps it at
+    128 before anything loads torch (docs/memory.md); a value the person set is kept."""
     code, value, err = env_after_import("rstar2_mini", "LRU_CACHE_CAPACITY")
     assert code == 0 and value == "128", err
     code, value, err = env_after_import("rstar2_mini", "LRU_CACHE_CAPACITY", LRU_CACHE_CAPACITY="1024")
