@@ -30,6 +30,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SHAPES = ((4, 300), (20, 400), (48, 450))   # (busy rows, longest own context): the tail, a phase's mean, its bulk
 
@@ -65,6 +66,7 @@ def main():
 
     import engines
     import model as models
+    import roofline
     from slot_engine import SlotDecoder, decode_attention, rms_norm
 
     path = models.resolve_model(args.model or models.DEFAULT_MODEL)
@@ -75,7 +77,7 @@ def main():
     cfg = model.config
     hidden, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     kvh, d, g = decoder.kv_heads, decoder.head_dim, decoder.heads // decoder.kv_heads
-    params = sum(p.numel() for layer in model.model.layers for p in layer.parameters() if p.dim() == 2) + V * hidden
+    params = roofline.flops_per_token(model) / 2    # the weights a decode step multiplies by (head included)
     gen = torch.Generator().manual_seed(0)
     report = {"host": models.cpu_kind(), "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
               "model": str(path), "prefix": len(prefix_ids), "shapes": {}}
