@@ -37,6 +37,8 @@ from protocol import TOOL_CALL_CLOSE, render_prompt
 #   engine.load_weights(w)      weight sync from the trainer (a state dict or a model), in place
 #   engine.worker               its background asyncio task, or None; awaited at the end of a step, so that
 #                               nothing of the engine still runs when the caller's loop stops
+#   engine.shutdown()           (where the engine has a thread or processes of its own) stop them: at a stage's
+#                               end, and after Ctrl-C left a rollout phase mid-way (vllm_engine.shutdown_engines)
 #
 # Every engine stops a request at end of turn (eos, kept in the output), when the decoded text of the new
 # tokens contains "</tool_call>", or after max_new_tokens; and returns the log-probs of the sampled tokens
@@ -229,6 +231,7 @@ class TransformersEngine:
         self._held = 0
         self.worker: asyncio.Task | None = None
         self._weights_lock = threading.Lock()  # a weight sync waits for the running decode loop
+        self._shut = threading.Event()    # shutdown(): the decode thread ends at its next iteration
         self.tokens_generated = 0
         self.waves = 0                    # iterations that admitted requests
         self.prefill_tokens = 0           # tokens prefilled (the shared prefix excluded)
@@ -273,6 +276,13 @@ class TransformersEngine:
             state = {k.removeprefix("module."): v for k, v in pairs}  # DDP / accelerate wrappers
             with torch.no_grad():
                 self.model.load_state_dict(state, strict=True)  # copy_() into the existing tensors
+
+    def shutdown(self) -> None:
+        """End the decode thread at its next iteration, for good: every request it holds or is given later fails.
+        After Ctrl-C the main thread leaves the event loop mid-phase while this thread would go on until each of its
+        rows had ended (up to a turn's whole budget: a minute and more on a CPU), and the process cannot exit before
+        it (concurrent.futures joins its threads at exit). At a stage's end the thread is idle: nothing to stop."""
+        self._shut.set()
 
     def release_operands(self) -> None:
         """Let go of what the next weight sync makes stale anyway, before the update runs (phases.for_update): the
@@ -364,6 +374,8 @@ class TransformersEngine:
             self.decoder.cache = self.decoder.new_cache()
             try:
                 while True:
+                    if self._shut.is_set():   # _serve fails the requests in flight and queued with this
+                        raise RuntimeError("the engine was shut down (Ctrl-C or the end of its stage)")
                     started = time.perf_counter()
                     items = take(self.max_batch - len(rows), not rows) if len(rows) < self.max_batch else []
                     if items is None:

@@ -585,7 +585,8 @@ def wake_engines(engines: list, tags: list[str]) -> float:
 
 
 def shutdown_engines(engines: list) -> None:
-    """Stop the engines that run outside this process (vLLM), so that the next stage can start its own."""
+    """Stop what the engines run beside the caller: vLLM's processes, so that the next stage can start its own, and
+    the CPU engine's decode thread, which after Ctrl-C would otherwise finish its rows before the process may exit."""
     for engine in engines:
         if hasattr(engine, "shutdown"):
             engine.shutdown()

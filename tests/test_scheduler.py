@@ -1003,6 +1003,38 @@ def test_an_all_wrong_group_is_sampled_again_as_soon_as_it_is_graded(tokenizer):
         assert [t.reward for g in groups for t in g] == [0.0, 0.0, 1.0, 1.0] and end > 50
 
 
+def test_ctrl_c_mid_phase_ends_the_decode_thread_within_an_iteration(tokenizer, tiny):
+    """Ctrl-C reaches the main thread, which runs the event loop; the decode thread is the engine's own. The main
+    command then stops the engines (shutdown_engines), runs the loop once more to close the sandbox pool and exits,
+    and the exit waits for every executor thread (concurrent.futures joins them). A decode thread that went on until
+    each of its rows had ended (up to max_response_tokens each: a minute and more on a CPU) kept the process alive
+    that long after "interrupted". Oracle: the engine's trace, one entry per iteration, counted at the interrupt and
+    once the thread has ended; rows of 1,500 tokens from a random model (no eos) would add ~1,500 iterations."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = S.TransformersEngine(tiny, tokenizer, max_batch=4)
+    engine.trace = []
+    cfg = S.RolloutConfig(max_turns=1, max_response_tokens=1500, temperature=1.0)
+    loop, decode_thread = asyncio.new_event_loop(), ThreadPoolExecutor(1)
+    loop.set_default_executor(decode_thread)
+    at_interrupt = []
+
+    def ctrl_c_after_a_few_iterations():
+        if len(engine.trace) >= 5:
+            at_interrupt.append(len(engine.trace))
+            raise KeyboardInterrupt   # what the SIGINT handler raises in the main thread
+        loop.call_later(0.002, ctrl_c_after_a_few_iterations)
+
+    loop.call_soon(ctrl_c_after_a_few_iterations)
+    with pytest.raises(KeyboardInterrupt):
+        S.run_rollouts([engine], EchoTools(), tokenizer, [("p", "q")], 4, cfg, seed=0, progress=False, loop=loop)
+    S.shutdown_engines([engine])                       # as close_runtime and eval.py's main do next
+    loop.run_until_complete(asyncio.sleep(0.05))       # the pool's close runs the loop once more
+    loop.close()
+    decode_thread.shutdown(wait=True)                  # what the interpreter's exit waits for
+    assert at_interrupt and len(engine.trace) <= at_interrupt[0] + 2, (at_interrupt, len(engine.trace))
+
+
 @pytest.mark.parametrize("tool_state", ["stateless", "replay", "persistent"])
 def test_the_engine_shares_the_prefix_of_its_tool_states_prompt(tokenizer, tiny, tool_state):
     """A stateful tool's prompt has one more line in the system message, so the shared prefix must be computed from
