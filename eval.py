@@ -763,7 +763,7 @@ def main(argv=None) -> int:
         loop.run_until_complete(pool.start())
         summary, groups = evaluate(engines, pool, tokenizer, problems, args.samples, cfg, loop, seed=args.seed)
     finally:
-        scheduler.shutdown_engines(engines)
+        scheduler.stop_rollouts(engines, loop)
         loop.run_until_complete(pool.close())
         loop.close()
     summary.update(model=str(path), data=args.data, temperature=args.temperature, max_turns=args.max_turns,

@@ -632,13 +632,14 @@ def unwrapped(rt: Runtime):
 
 
 def close_runtime(rt: Runtime) -> None:
-    """End of a stage: stop the vLLM engines (their processes hold the GPUs the next stage's engines need), the
-    sandbox pool and the event loop."""
+    """End of a stage, also one that Ctrl-C stopped: stop the engines (vLLM's processes hold the GPUs the next
+    stage's engines need; the CPU engine's decode thread would finish its rows first), what a rollout phase left on
+    the event loop, the sandbox pool and the loop."""
     import scheduler
 
     import model as models
 
-    scheduler.shutdown_engines(rt.engines)
+    scheduler.stop_rollouts(rt.engines, rt.loop)   # and what Ctrl-C left of a rollout phase
     if rt.pool is not None:
         rt.loop.run_until_complete(rt.pool.close())
     rt.loop.close()

@@ -499,6 +499,20 @@ def run_rollouts(engines: list, pool, tokenizer, problems: list[tuple[str, str]]
         fresh.close()
 
 
+def stop_rollouts(engines: list, loop: asyncio.AbstractEventLoop) -> None:
+    """The end of a stage, or of a command that Ctrl-C (or an error) stopped mid-phase: stop what the engines run
+    beside the caller (vLLM's processes, the CPU engine's decode thread), then cancel what a phase left pending on
+    the loop (its trajectories, an engine's worker) and let them unwind, as asyncio.run does before it closes its
+    loop; left pending, each is reported at exit ("Task was destroyed but it is pending!"). After a phase that
+    ended normally nothing is pending and only the engines stop."""
+    shutdown_engines(engines)
+    left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in left:
+        task.cancel()
+    if left and not loop.is_closed():
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+
+
 def occupancy_stats(engines: list, reset: bool = False) -> dict:
     """The rollout phase's occupancy for metrics.jsonl, over the engines that trace it (TransformersEngine): decode
     iterations, busy rows per iteration (mean, against engine_slots), longest own context per iteration (mean), ms

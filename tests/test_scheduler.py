@@ -1005,12 +1005,16 @@ def test_an_all_wrong_group_is_sampled_again_as_soon_as_it_is_graded(tokenizer):
 
 def test_ctrl_c_mid_phase_ends_the_decode_thread_within_an_iteration(tokenizer, tiny):
     """Ctrl-C reaches the main thread, which runs the event loop; the decode thread is the engine's own. The main
-    command then stops the engines (shutdown_engines), runs the loop once more to close the sandbox pool and exits,
-    and the exit waits for every executor thread (concurrent.futures joins them). A decode thread that went on until
+    command then closes the stage's runtime (close_runtime: the engines, the sandbox pool, the loop) and exits, and
+    the exit waits for every executor thread (concurrent.futures joins them). A decode thread that went on until
     each of its rows had ended (up to max_response_tokens each: a minute and more on a CPU) kept the process alive
     that long after "interrupted". Oracle: the engine's trace, one entry per iteration, counted at the interrupt and
-    once the thread has ended; rows of 1,500 tokens from a random model (no eos) would add ~1,500 iterations."""
+    once the thread has ended; rows of 1,500 tokens from a random model (no eos) would add ~1,500 iterations. And no
+    task of the phase is left pending on the closed loop."""
     from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    import rstar2_mini
 
     engine = S.TransformersEngine(tiny, tokenizer, max_batch=4)
     engine.trace = []
@@ -1028,11 +1032,13 @@ def test_ctrl_c_mid_phase_ends_the_decode_thread_within_an_iteration(tokenizer, 
     loop.call_soon(ctrl_c_after_a_few_iterations)
     with pytest.raises(KeyboardInterrupt):
         S.run_rollouts([engine], EchoTools(), tokenizer, [("p", "q")], 4, cfg, seed=0, progress=False, loop=loop)
-    S.shutdown_engines([engine])                       # as close_runtime and eval.py's main do next
-    loop.run_until_complete(asyncio.sleep(0.05))       # the pool's close runs the loop once more
-    loop.close()
+    rstar2_mini.close_runtime(SimpleNamespace(engines=[engine], pool=None, loop=loop))   # the stage's `finally`
+    left = [t for t in asyncio.all_tasks(loop) if not t.done()]
     decode_thread.shutdown(wait=True)                  # what the interpreter's exit waits for
     assert at_interrupt and len(engine.trace) <= at_interrupt[0] + 2, (at_interrupt, len(engine.trace))
+    # nothing of the phase is left pending on the loop it closes (asyncio prints "Task was destroyed but it is
+    # pending!" for each such task when it is collected)
+    assert not left, left
 
 
 @pytest.mark.parametrize("tool_state", ["stateless", "replay", "persistent"])
