@@ -38,7 +38,7 @@ from protocol import TOOL_CALL_CLOSE, render_prompt
 #   engine.worker               its background asyncio task, or None; awaited at the end of a step, so that
 #                               nothing of the engine still runs when the caller's loop stops
 #   engine.shutdown()           (where the engine has a thread or processes of its own) stop them: at a stage's
-#                               end, and after Ctrl-C left a rollout phase mid-way (vllm_engine.shutdown_engines)
+#                               end, and after Ctrl-C left a rollout phase mid-way (scheduler.stop_rollouts)
 #
 # Every engine stops a request at end of turn (eos, kept in the output), when the decoded text of the new
 # tokens contains "</tool_call>", or after max_new_tokens; and returns the log-probs of the sampled tokens
