@@ -633,8 +633,10 @@ def test_fork_and_memory_bombs_are_bounded_in_every_mode_and_the_trainer_is_unto
         try:
             counted = await call(COUNT_FORKS, timeout_s=60)  # up to 300 forks on a busy machine
             bomb = await call(FORK_BOMB, timeout_s=1.0)
-            return [counted, bomb] + [await call(code) for code in (MEMORY_IN_PROCESSES, TMP_THEN_MEMORY,
-                                                                    "print(open('/proc/self/oom_score_adj').read())")]
+            # the memory bombs take about a second; 30 s, not the pool's 4, so that a loaded machine (the suite's
+            # other worker beside a training run) cannot turn them into timeouts with no output
+            bombs = [await call(code, timeout_s=30) for code in (MEMORY_IN_PROCESSES, TMP_THEN_MEMORY)]
+            return [counted, bomb, *bombs, await call("print(open('/proc/self/oom_score_adj').read())")]
         finally:
             await pool.close()
 
