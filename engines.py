@@ -297,18 +297,18 @@ class TransformersEngine:
         release_freed_memory()
 
     def reset_occupancy(self) -> None:
-        self._occ = {"iterations": 0, "rows": 0, "columns": 0, "seconds": 0.0, "tokens": 0, "prefill_tokens": 0,
-                     "prefill_iterations": 0, "prefill_seconds": 0.0}
+        self._occ = {"iterations": 0, "rows": 0, "columns": 0, "read": 0, "seconds": 0.0, "tokens": 0,
+                     "prefill_tokens": 0, "prefill_iterations": 0, "prefill_seconds": 0.0}
 
     def occupancy(self) -> dict:
-        """The iterations since reset_occupancy(): how many, busy rows and longest own context per iteration
-        (means), milliseconds per iteration, tokens forwarded (sampled and prefilled); of those, the prefilled ones
-        (admitted rows' contexts: prompts past the shared prefix, tool responses), and the iterations that
-        prefilled any, with their seconds."""
+        """The iterations since reset_occupancy(): how many, busy rows, longest own context and own columns read
+        by a row's decode attention per iteration (means), milliseconds per iteration, tokens forwarded (sampled
+        and prefilled); of those, the prefilled ones (admitted rows' contexts: prompts past the shared prefix,
+        tool responses), and the iterations that prefilled any, with their seconds."""
         o, n = self._occ, max(self._occ["iterations"], 1)
         return {"iterations": o["iterations"], "rows_mean": o["rows"] / n, "columns_mean": o["columns"] / n,
-                "ms_per_iteration": 1000 * o["seconds"] / n, "tokens": o["tokens"], "slots": self.max_batch,
-                "prefill_tokens": o["prefill_tokens"], "prefill_iterations": o["prefill_iterations"],
+                "read_mean": o["read"] / n, "ms_per_iteration": 1000 * o["seconds"] / n, "tokens": o["tokens"],
+                "slots": self.max_batch, "prefill_tokens": o["prefill_tokens"], "prefill_iterations": o["prefill_iterations"],
                 "prefill_seconds": o["prefill_seconds"]}
 
     # -- the asyncio side ----------------------------------------------------------------------------------
@@ -435,13 +435,14 @@ class TransformersEngine:
 
         seconds = time.perf_counter() - started
         columns = max(self.decoder.cache.lens[:len(rows)])
-        for key, value in (("iterations", 1), ("rows", len(rows)), ("columns", columns), ("seconds", seconds),
-                           ("tokens", tokens), ("prefill_tokens", prefilled), ("prefill_iterations", prefilled > 0),
-                           ("prefill_seconds", seconds if prefilled else 0.0)):
+        read = self.decoder.read_columns   # own columns the decoding rows' attention read (masked ones included)
+        for key, value in (("iterations", 1), ("rows", len(rows)), ("columns", columns), ("read", read),
+                           ("seconds", seconds), ("tokens", tokens), ("prefill_tokens", prefilled),
+                           ("prefill_iterations", prefilled > 0), ("prefill_seconds", seconds if prefilled else 0.0)):
             self._occ[key] += value
         if self.trace is not None:
-            self.trace.append({"rows": len(rows), "columns": columns, "tokens": tokens, "prefill": prefilled,
-                               "ms": round(1000 * seconds, 2)})
+            self.trace.append({"rows": len(rows), "columns": columns, "read": read, "tokens": tokens,
+                               "prefill": prefilled, "ms": round(1000 * seconds, 2)})
 
     def _leave(self, rows, done: list[int]):
         """Drop the stopped rows: each free slot below the new row count takes the KV of a row above it."""

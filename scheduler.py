@@ -515,8 +515,8 @@ def stop_rollouts(engines: list, loop: asyncio.AbstractEventLoop) -> None:
 
 def occupancy_stats(engines: list, reset: bool = False) -> dict:
     """The rollout phase's occupancy for metrics.jsonl, over the engines that trace it (TransformersEngine): decode
-    iterations, busy rows per iteration (mean, against engine_slots), longest own context per iteration (mean), ms
-    per iteration; the tokens prefilled (admitted rows' contexts: prompts past the shared prefix, tool responses)
+    iterations, busy rows per iteration (mean, against engine_slots), longest own context per iteration (mean), own
+    columns a row's decode attention read per iteration (mean: masked ones included), ms per iteration; the tokens prefilled (admitted rows' contexts: prompts past the shared prefix, tool responses)
     and the seconds of the iterations that prefilled. reset=True starts a new phase."""
     traced = [e for e in engines if hasattr(e, "occupancy")]
     if reset:
@@ -530,6 +530,7 @@ def occupancy_stats(engines: list, reset: bool = False) -> dict:
     return {"rollout_iterations": sum(o["iterations"] for o in occ),
             "rollout_rows_mean": round(sum(o["rows_mean"] * o["iterations"] for o in occ) / n, 2),
             "rollout_columns_mean": round(sum(o["columns_mean"] * o["iterations"] for o in occ) / n, 1),
+            "rollout_read_mean": round(sum(o["read_mean"] * o["iterations"] for o in occ) / n, 1),
             "rollout_ms_per_iteration": round(sum(o["ms_per_iteration"] * o["iterations"] for o in occ) / n, 1),
             "rollout_prefill_tokens": sum(o["prefill_tokens"] for o in occ),
             "rollout_prefill_iterations": sum(o["prefill_iterations"] for o in occ),

@@ -12,7 +12,7 @@ loop samples (engines.sample_rows, paper section 3.2: the rollout engine).
                   stopped at a tool call hands its columns to the engine (take) and its continuation gets them
                   back in a free slot (put), so it prefills only the tool's response.
     SlotDecoder   the model's weights as GEMM operands (q, k, v fused into one, gate and up into one;
-                  oneDNN-prepacked in bf16, where that measured faster), rebuilt at every weight sync (refresh);
+                  oneDNN-prepacked where that measured faster), rebuilt at every weight sync (refresh);
                   the forward over a packed batch: no padding, one GEMM per weight for all rows' tokens.
 
 Every prompt starts with the same ~450-token system prompt and tool schema: its KV (prefix_kv) is computed once
@@ -45,10 +45,16 @@ def check_supported(model) -> None:
 
 
 def prepack_measures_faster(dtype) -> bool:
-    """oneDNN-prepacked bf16 weights (mkldnn._linear_pointwise): measured 18% faster than F.linear on weights that
-    are not in cache, bitwise equal (bench/roofline.py prints the A/B); fp32 gains nothing from it."""
-    return dtype == torch.bfloat16 and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
-        and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """oneDNN-prepacked weights (mkldnn._linear_pointwise) against F.linear, on weights that are not in cache
+    (bench/roofline.py, bench/bench_decode_parts.py print the A/B): in bf16 18% faster, bitwise equal (an
+    AVX512-BF16 host); in fp32 on an AVX2-only host 1.2-2.0x faster from 64 down to 4 rows and the output
+    projection 1.3-1.9x, within fp32 rounding (oneDNN sums in another order than MKL). fp32 is prepacked on x86
+    only, where it was measured (MKL's own packed sgemm gained nothing)."""
+    if not (hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()):
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 class Linear:
@@ -114,8 +120,8 @@ class SlotKV:
         return self.kv[0].shape[3]
 
     def reserve(self, columns: int) -> None:
-        """Room for `columns` own columns in every slot, grown 128 at a time (decode attention reads every column of
-        the busy slots, so the room stays small), copying the filled part."""
+        """Room for `columns` own columns in every slot, grown 128 at a time (in bf16 decode attention reads every
+        column of the busy slots, so the room stays small), copying the filled part."""
         if columns <= self.columns:
             return
         used = min(max(self.lens), self.columns)
@@ -157,9 +163,10 @@ class SlotDecoder:
         self.dtype = next(model.parameters()).dtype
         self.prepack = prepack_measures_faster(self.dtype) and torch.device(device).type == "cpu"
         self.layers = None        # per layer: its GEMM operands and norms (refresh)
-        self.head = None          # the output projection's prepacked operand (bf16), else None
+        self.head = None          # the output projection's prepacked operand, else None (refresh)
         self.cache: SlotKV | None = None
         self._rope = None         # cos, sin [positions, head dim] in the model's dtype
+        self.read_columns = 0     # own columns of each slot the last forward's decode attention read
 
     # -- weights ---------------------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -178,7 +185,7 @@ class SlotDecoder:
                 "down": fused([mlp.down_proj], self.prepack, self.slots), "act": mlp.act_fn,
                 "q_norm": getattr(att, "q_norm", None), "k_norm": getattr(att, "k_norm", None)})
         self.layers = layers
-        head = self.model.get_output_embeddings()   # prepacked in bf16: 21-45 ms against 39-71 for W h^T at 8-64 rows
+        head = self.model.get_output_embeddings()   # prepacked: 21-45 ms against 39-71 for W h^T at 8-64 rows in bf16
         self.head = fused([head], True, self.slots) if self.prepack and isinstance(head, torch.nn.Linear) else None
 
     def rope(self, positions):
@@ -248,11 +255,15 @@ class SlotDecoder:
     def _decode_plan(self, starts, has_prefix, prefix):
         """What every layer's decode attention shares: the rows, their write columns, the additive mask."""
         if not starts:
+            self.read_columns = 0
             return None
         dev, B = self.device, len(starts)
-        # every column of the slots: slots 0..B-1 are then one contiguous block, and bf16 batched matmuls on
-        # contiguous blocks ran 4-10x faster than on the first max-length columns (a batch stride of the buffer)
-        width = self.cache.columns
+        # bf16: every column of the slots, so that slots 0..B-1 are one contiguous block (bf16 batched matmuls ran
+        # 4-10x faster on it than on the first max-length columns, a batch stride of the buffer: AVX512-BF16 host).
+        # fp32: the columns up to the longest busy row only; the strided block ran as fast per column (AVX2-only
+        # host), and a row that is not the longest reads fewer masked columns (docs/benchmarks.md)
+        width = self.cache.columns if self.dtype == torch.bfloat16 else max(starts) + 1
+        self.read_columns = width
         own = torch.arange(width, device=dev)[None] <= torch.tensor(starts, device=dev)[:, None]
         if prefix is not None:
             seen = torch.tensor(has_prefix, device=dev)[:, None].expand(B, prefix.shape[3])

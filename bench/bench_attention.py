@@ -1,22 +1,26 @@
-"""The CPU engine's decode attention against two rewrites of it, at rollout shapes (slot_engine.SlotDecoder).
+"""The CPU engine's decode attention against rewrites of it, at rollout shapes (slot_engine.SlotDecoder).
 
-One query per busy row attends to [the shared prompt | the row's own columns]; the engine reads every column of
-the busy slots as one contiguous block (masked past each row's length) and the prompt once for all rows (GQA heads
-stacked). The rewrites, timed over 30 layers of SmolLM2-135M's shape (9 query heads, 3 KV heads, head dim 64) in
-bf16, interleaved, best of 4:
+One query per busy row attends to [the shared prompt | the row's own columns]; the prompt is read once for all
+rows (GQA heads stacked). The arms, timed over 30 layers of SmolLM2-135M's shape (9 query heads, 3 KV heads, head
+dim 64) in --dtype (bf16, or fp32 as an engine on a CPU without bf16 units runs), interleaved, best of 4:
 
-  engine        slot_engine.decode_attention: two matmuls against each part, one fp32 softmax over both
-  flash-lse     CPU flash attention (aten._scaled_dot_product_flash_attention_for_cpu) once over the own columns
-                (masked) and once over the prompt, merged by their log-sum-exp
-  column-major  the KV stored [columns, slots, kv heads, d], so that reading only up to the longest busy row is a
-                slice without a batch stride; then slot_engine.decode_attention
+  whole-buffer    slot_engine.decode_attention over every column of the busy slots, one contiguous block
+                  (masked past each row's length): what the engine runs in bf16
+  up-to-longest   the same over the busy slots' columns up to the longest busy row only (a strided block):
+                  what the engine runs in fp32
+  flash-lse       CPU flash attention (aten._scaled_dot_product_flash_attention_for_cpu) once over the own columns
+                  (masked) and once over the prompt, merged by their log-sum-exp
+  column-major    the KV stored [columns, slots, kv heads, d], so that reading only up to the longest busy row is a
+                  slice without a batch stride; then slot_engine.decode_attention
 
 Row lengths are drawn between a sixth of the buffer's columns and 64 short of them.
 
-    python bench/bench_attention.py                  # about a minute
+    python bench/bench_attention.py                   # about a minute
+    python bench/bench_attention.py --dtype float32
 
 The last line printed is one JSON object (milliseconds per iteration, per shape).
 """
+import argparse
 import json
 import os
 import sys
@@ -30,13 +34,18 @@ from slot_engine import decode_attention  # noqa: E402
 
 KVH, G, D, P, LAYERS, SLOTS = 3, 3, 64, 470, 30, 64
 SHAPES = ((8, 384), (20, 512), (20, 800), (48, 512))     # (busy rows, columns of the slot buffer)
-BF = torch.bfloat16
+BF = torch.bfloat16   # the dtype of the arms (--dtype)
 flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def engine(q, kv, kvc, pre, mask, bmask, w):
+def whole_buffer(q, kv, kvc, pre, mask, bmask, w):
     B = q.shape[0]
     return decode_attention(q, kv[0, :B], kv[1, :B], pre, mask)
+
+
+def up_to_longest(q, kv, kvc, pre, mask, bmask, w):
+    B = q.shape[0]
+    return decode_attention(q, kv[0, :B, :, :w], kv[1, :B, :, :w], pre, mask[..., :P + w])
 
 
 def flash_lse(q, kv, kvc, pre, mask, bmask, w):
@@ -56,9 +65,14 @@ def column_major(q, kv, kvc, pre, mask, bmask, w):
 
 
 def main():
+    global BF
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    BF = getattr(torch, parser.parse_args().dtype)
     gen = torch.Generator().manual_seed(0)
-    arms = {"engine": engine, "flash-lse": flash_lse, "column-major": column_major}
-    report = {"threads": torch.get_num_threads(), "shapes": {}}
+    arms = {"whole-buffer": whole_buffer, "up-to-longest": up_to_longest, "flash-lse": flash_lse,
+            "column-major": column_major}
+    report = {"threads": torch.get_num_threads(), "dtype": str(BF).removeprefix("torch."), "shapes": {}}
     with torch.inference_mode():
         for B, W in SHAPES:
             lens = torch.randint(W // 6, W - 64, (B,), generator=gen)
@@ -71,7 +85,7 @@ def main():
             pre = [torch.randn((2, KVH, P, D), generator=gen).to(BF) for _ in range(LAYERS)]
             q = torch.randn((B, KVH, G, D), generator=gen).to(BF)
             w = int(lens.max()) + 1
-            ref = engine(q, kv[0], kvc[0], pre[0], mask, bmask, w).float()
+            ref = whole_buffer(q, kv[0], kvc[0], pre[0], mask, bmask, w).float()
             row = {}
             for name, fn in arms.items():   # the same numbers, up to bf16 rounding
                 got = fn(q, kv[0], kvc[0], pre[0], mask, bmask, w).float()

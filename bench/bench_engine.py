@@ -119,8 +119,8 @@ def main():
     path = models.resolve_model(args.model or models.DEFAULT_MODEL)
     tokenizer = models.load_tokenizer(path)
     dtype = models.engine_dtype(None)
-    # engines.py of the baseline revision, imported as its own module (git_baseline.module_at)
-    old = git_baseline.module_at(args.baseline, "engines.py", "engines_baseline")
+    # engines.py of the baseline revision (and its slot_engine.py), imported as its own module (git_baseline)
+    old = git_baseline.module_at(args.baseline, "engines.py", "engines_baseline", own=("slot_engine",))
     prompts = [scheduler.render_prompt(tokenizer, p.question) for p in tasks.generate_problems(args.rows, seed=1)]
     requests = [scheduler.GenRequest(p, args.new_tokens, 1.0, 1.0, seed=i) for i, p in enumerate(prompts)]
 
@@ -156,7 +156,7 @@ def main():
     ms_mean = statistics.mean(t["ms"] for t in decode_its)
     P = len(engines_now.shared_prompt_prefix(tokenizer))
     gemm = {"plain": roofline.cold_gemm_gflops(model, args.rows, dtype)}
-    if dtype == torch.bfloat16:
+    if __import__("slot_engine").prepack_measures_faster(dtype):   # what the engine runs
         gemm["prepacked"] = roofline.cold_gemm_gflops(model, args.rows, dtype, prepack=True)
     gbs = roofline.stream_gbs()
     floor = roofline.iteration_floor_ms(model, rows_mean, cols_mean, P, max(gemm.values()), gbs,

@@ -66,8 +66,8 @@ rates = roofline.decode_rates(policy, engine_batch)   # GFLOPS of the decode sha
 engine_dtype = torch.bfloat16 if models.bf16_is_fast("cpu") else torch.float32
 engine_rate = rates[str(engine_dtype).removeprefix("torch.")]
 engine_model = policy.to(engine_dtype)
-cold_rate = roofline.cold_gemm_gflops(engine_model, engine_batch, engine_dtype,
-                                      prepack=engine_dtype == torch.bfloat16)
+cold_rate = roofline.cold_gemm_gflops(engine_model, engine_batch, engine_dtype,   # as the engine runs them
+                                      prepack=__import__("slot_engine").prepack_measures_faster(engine_dtype))
 update_rate = roofline.cold_gemm_gflops(engine_model, 1024, engine_dtype)
 bandwidth = roofline.stream_gbs()
 prefix = len(__import__("engines").shared_prompt_prefix(models.load_tokenizer(model)))
@@ -109,8 +109,8 @@ def run_arm(tree: Path, out: Path, extra: list[str]) -> list[dict]:
 
 KEYS = ("rollout_time_s", "step_time_s", "gen_tokens_per_s", "train_tokens_per_s", "peak_mem_gb",
         "logprob_diff_mean", "logprob_diff_max", "response_len", "rollout_iterations", "rollout_rows_mean",
-        "rollout_columns_mean", "rollout_ms_per_iteration", "rollout_prefill_tokens", "rollout_prefill_s",
-        "train_tokens", "problems_resampled")
+        "rollout_columns_mean", "rollout_read_mean", "rollout_ms_per_iteration", "rollout_prefill_tokens",
+        "rollout_prefill_s", "train_tokens", "problems_resampled")
 
 
 def floor_shares(row: dict) -> dict:

@@ -58,7 +58,7 @@ args = parser.parse_args()
 
 def baseline_engines():
     """engines.py of the baseline revision, imported as its own module (git_baseline.module_at)."""
-    return git_baseline.module_at(args.baseline, "engines.py", "engines_baseline")
+    return git_baseline.module_at(args.baseline, "engines.py", "engines_baseline", own=("slot_engine",))
 
 path = models.resolve_model(args.model)
 tokenizer = models.load_tokenizer(path)

@@ -80,7 +80,8 @@ def layer_weights(model, dtype):
 
 def cold_gemm_gflops(model, rows: int, dtype, prepack: bool = False, seconds: float = 2.0) -> float:
     """GFLOPS of one pass over every weight of the model ([rows x in] @ W^T each), cold: the pass reads more than
-    any cache holds, as a decode iteration does. prepack: oneDNN-prepacked bf16 weights (what the engine runs)."""
+    any cache holds, as a decode iteration does. prepack: oneDNN-prepacked weights (what the engine runs where
+    slot_engine.prepack_measures_faster says so)."""
     import torch
     import torch.nn.functional as F
 

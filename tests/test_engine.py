@@ -151,6 +151,22 @@ def test_a_free_slot_is_filled_in_the_next_iteration_and_the_trace_says_so(token
     assert occ["iterations"] == len(rows) and occ["rows_mean"] == pytest.approx(sum(rows) / len(rows))
 
 
+def test_fp32_decode_attention_reads_only_up_to_the_longest_busy_row(tokenizer, tiny):
+    """The slots' buffer grows to the longest context the phase has seen (and 128 columns beyond); a row shorter
+    than the longest busy one reads masked columns. In fp32 each decode iteration's attention reads every slot's
+    own columns only up to the longest busy row (a strided block: as fast as the contiguous one in fp32, unlike
+    bf16's), so that a phase's tail, after its longest rows left, does not read what they left behind. The tokens
+    against the oracle: test_engine_tokens_equal_a_full_forward_sampler_with_the_same_draws."""
+    engine = S.TransformersEngine(tiny, tokenizer, max_batch=3)
+    prompts = [S.render_prompt(tokenizer, f"q{i} " + "pad " * (40 * (i % 3))) for i in range(6)]
+    reqs = [S.GenRequest(p, 4 + 30 * (i % 2), temperature=1.0, seed=i, stop_text="@@") for i, p in enumerate(prompts)]
+    engine.trace = []
+    wave(engine, reqs)
+    decoding = [t for t in engine.trace if t["prefill"] == 0]
+    assert decoding and all(t["read"] == t["columns"] for t in decoding), [(t["read"], t["columns"]) for t in decoding]
+    assert engine.occupancy()["read_mean"] == pytest.approx(sum(t["read"] for t in engine.trace) / len(engine.trace))
+
+
 def test_the_occupancy_counts_prefilled_tokens_and_the_time_of_the_iterations_that_prefill(tokenizer, tiny):
     """A rollout phase forwards two kinds of tokens: one sampled token per decoding row, and the contexts of the
     rows admitted (their prompts past the shared prefix; after a tool call, the tool's response). The occupancy
@@ -233,6 +249,29 @@ def test_prepacked_bf16_gemms_equal_plain_ones():
     for rows in (1, 17, 64):
         x = torch.randn(rows, 576).bfloat16()
         assert torch.equal(packed(x), torch.nn.functional.linear(x, w.weight, w.bias))
+
+
+X86 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and torch.backends.mkldnn.is_available()
+
+
+@pytest.mark.skipif(not X86, reason="oneDNN's fp32 prepacking is used (and was measured) on x86 CPUs only")
+def test_fp32_engines_run_prepacked_gemms_within_rounding_of_plain_ones(tokenizer, tiny):
+    """In fp32 too the decoder's GEMM operands are oneDNN-prepacked (on an AVX2-only host 1.2-2.0x F.linear's
+    speed at 64 down to 4 rows, docs/benchmarks.md): the fused layers and the output projection. Not bit for bit
+    (oneDNN sums in another order than MKL): within fp32 rounding of F.linear at the decode shapes. The engine's
+    tokens against the full-forward oracle (above) run this path."""
+    import slot_engine
+
+    engine = S.TransformersEngine(tiny, tokenizer, max_batch=4)
+    engine.decoder.refresh()
+    layer = engine.decoder.layers[0]
+    assert all(layer[k].packed for k in ("qkv", "o", "gate_up", "down")) and engine.decoder.head.packed
+    w = torch.nn.Linear(576, 1536)
+    packed = slot_engine.fused([w], prepack=True, rows=64)
+    for rows in (1, 17, 64, 300):
+        x = torch.randn(rows, 576)
+        plain = torch.nn.functional.linear(x, w.weight, w.bias)
+        assert torch.allclose(packed(x), plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
 
 
 def test_a_rollout_phase_floor_adds_its_prefilled_tokens_at_the_decoder_layers_flops(tokenizer, tiny):

@@ -839,7 +839,8 @@ def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_mode
     assert [r["step"] for r in rows_b] == [1, 2]
     timing = {"step_time_s", "rollout_time_s", "gen_tokens_per_s", "train_tokens_per_s", "peak_mem_gb",
               # the engine's iterations depend on when tool results come back
-              "rollout_iterations", "rollout_rows_mean", "rollout_columns_mean", "rollout_ms_per_iteration",
+              "rollout_iterations", "rollout_rows_mean", "rollout_columns_mean", "rollout_read_mean",
+              "rollout_ms_per_iteration",
               "rollout_prefill_tokens", "rollout_prefill_iterations", "rollout_prefill_s"}
     for key in rows_a[1]:
         if key in timing:
