@@ -3,7 +3,7 @@ the whole-row running sum it replaced.
 
 A rollout phase is a few hundred decode iterations (engines.TransformersEngine.decode_loop), each one
 slot_engine.SlotDecoder.forward over the busy rows plus engines.sample_rows. With the real model's operands (bf16
-where the CPU has bf16 units: the engine's fused, oneDNN-prepacked GEMMs) and B rows of random KV over
+where the CPU has bf16 units, else fp32: the engine's fused GEMMs, oneDNN-prepacked on x86) and B rows of random KV over
 [shared prompt | own columns], this script times, per shape:
 
   iteration   SlotDecoder.forward of B decoding rows (one token each) and sample_rows at T = 0.8
@@ -14,9 +14,12 @@ where the CPU has bf16 units: the engine's fused, oneDNN-prepacked GEMMs) and B 
 
 (the rest of an iteration: rope, residuals, SiLU, the KV write, the embedding, Python), the GEMMs' rate
 (GFLOPS: 2 x B x their parameters) and weight streaming (GB/s), and decode attention's read rate of the KV (GB/s).
-Then the sampler's inverse CDF, interleaved, on the same logits and uniforms: `blocks` (engines.inverse_cdf, the
-blocks' float64 sums, then a running sum inside one block) against `whole-row` (one float64 running sum over each
-row, the sampler's arithmetic before); the tokens of the two are compared.
+Then two A/Bs, each interleaved: the GEMMs as the engine runs them (`gemms_engine`: oneDNN-prepacked where
+slot_engine.prepack_measures_faster says so) against plain operands on the same fused weights (`gemms_plain`:
+F.linear, and W h^T for the vocabulary, as an fp32 engine ran them before it prepacked); and the sampler's inverse
+CDF on the same logits and uniforms: `blocks` (engines.inverse_cdf, the blocks' float64 sums, then a running sum
+inside one block) against `whole-row` (one float64 running sum over each row, the sampler's arithmetic before);
+the tokens of the two are compared.
 
     python bench/bench_decode_parts.py --model runs/rstar2/sft/model      # about a minute on 2 cores
 
@@ -52,6 +55,19 @@ def median_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def interleaved(arms: dict, reps: int) -> dict:
+    """Median milliseconds of each arm, the arms alternating within every round (a slow spell hits all)."""
+    for fn in arms.values():
+        fn()
+    ms = {arm: [] for arm in arms}
+    for _ in range(reps):
+        for arm, fn in arms.items():
+            started = time.perf_counter()
+            fn()
+            ms[arm].append(1000 * (time.perf_counter() - started))
+    return {arm: round(statistics.median(v), 2) for arm, v in ms.items()}
+
+
 def whole_row_inverse_cdf(probs, u):
     """The sampler's inverse CDF before engines.inverse_cdf: one float64 running sum over each whole row."""
     import torch
@@ -74,6 +90,8 @@ def main():
     model = models.load_model(path, dtype=dtype)
     prefix_ids = engines.shared_prompt_prefix(models.load_tokenizer(path))
     decoder = SlotDecoder(model, 64, "cpu")
+    plain = SlotDecoder(model, 64, "cpu")    # the same fused weights as plain operands (the A/B below)
+    plain.prepack = False
     cfg = model.config
     hidden, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     kvh, d, g = decoder.kv_heads, decoder.head_dim, decoder.heads // decoder.kv_heads
@@ -83,6 +101,7 @@ def main():
               "model": str(path), "prefix": len(prefix_ids), "shapes": {}}
     with torch.inference_mode():
         decoder.refresh()
+        plain.refresh()
         prefix = decoder.prefix_kv(prefix_ids)
         P = len(prefix_ids)
         for B, W in SHAPES:
@@ -101,11 +120,11 @@ def main():
             x_att = torch.randn(B, decoder.heads * d).to(dtype)
             x_mlp = torch.randn(B, inter).to(dtype)
 
-            def gemms():
-                for w in decoder.layers:
+            def gemms(dec=decoder):
+                for w in dec.layers:
                     w["qkv"](x), w["o"](x_att), w["gate_up"](x), w["down"](x_mlp)
-                if decoder.head is not None:
-                    decoder.head(x)
+                if dec.head is not None:
+                    dec.head(x)
                 else:
                     torch.mm(model.get_output_embeddings().weight, x.T)
 
@@ -137,17 +156,15 @@ def main():
             row |= {"gemm_gflops": round(2 * B * params / row["gemms"] / 1e6, 1),
                     "gemm_weight_gb_s": round(params * x.element_size() / row["gemms"] / 1e6, 1),
                     "attention_kv_gb_s": round(kv_bytes / row["attention"] / 1e6, 1)}
+            # the engine's GEMM operands against plain ones, interleaved
+            ms = interleaved({"gemms_engine": gemms, "gemms_plain": lambda: gemms(plain)}, args.reps)
+            row |= {f"{arm}_ms": v for arm, v in ms.items()}
             # the inverse CDF, two arms interleaved on the same probabilities and uniforms
             probs = torch.log_softmax(logits / 0.8, -1).exp()
             u = torch.rand(B, generator=gen, dtype=torch.float64)
-            arms = {"blocks": engines.inverse_cdf, "whole-row": whole_row_inverse_cdf}
-            ms = {arm: [] for arm in arms}
-            for _ in range(args.reps):
-                for arm, fn in arms.items():
-                    started = time.perf_counter()
-                    fn(probs, u)
-                    ms[arm].append(1000 * (time.perf_counter() - started))
-            row |= {f"inverse_cdf_{arm}_ms": round(statistics.median(v), 2) for arm, v in ms.items()}
+            ms = interleaved({"blocks": lambda: engines.inverse_cdf(probs, u),
+                              "whole-row": lambda: whole_row_inverse_cdf(probs, u)}, args.reps)
+            row |= {f"inverse_cdf_{arm}_ms": v for arm, v in ms.items()}
             row["inverse_cdf_same_tokens"] = bool(torch.equal(engines.inverse_cdf(probs, u),
                                                               whole_row_inverse_cdf(probs, u)))
             report["shapes"][f"{B}x{W}"] = row
