@@ -47,9 +47,9 @@ def check_supported(model) -> None:
 def prepack_measures_faster(dtype) -> bool:
     """oneDNN-prepacked weights (mkldnn._linear_pointwise) against F.linear, on weights that are not in cache
     (bench/roofline.py, bench/bench_decode_parts.py print the A/B): in bf16 18% faster, bitwise equal (an
-    AVX512-BF16 host); in fp32 on an AVX2-only host 1.2-2.0x faster from 64 down to 4 rows and the output
-    projection 1.3-1.9x, within fp32 rounding (oneDNN sums in another order than MKL). fp32 is prepacked on x86
-    only, where it was measured (MKL's own packed sgemm gained nothing)."""
+    AVX512-BF16 host); in fp32 on an AVX2-only host a decode iteration's GEMMs (the vocabulary's included) 1.34x
+    faster at 48 rows up to 1.82x at 4, within fp32 rounding (oneDNN sums in another order than MKL). fp32 is
+    prepacked on x86 only, where it was measured (MKL's own packed sgemm gained little)."""
     if not (hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()):
         return False
     if dtype == torch.bfloat16:
@@ -253,7 +253,8 @@ class SlotDecoder:
         return (logits if head.bias is None else logits + head.bias).float()
 
     def _decode_plan(self, starts, has_prefix, prefix):
-        """What every layer's decode attention shares: the rows, their write columns, the additive mask."""
+        """What every layer's decode attention shares: where the rows' new keys and values go, the columns read,
+        the additive mask."""
         if not starts:
             self.read_columns = 0
             return None
@@ -269,14 +270,19 @@ class SlotDecoder:
             seen = torch.tensor(has_prefix, device=dev)[:, None].expand(B, prefix.shape[3])
             own = torch.cat([seen, own], 1)
         mask = torch.zeros(own.shape, device=dev).masked_fill_(~own, float("-inf")).view(B, 1, 1, -1)
-        return {"rows": torch.arange(B, device=dev), "cols": torch.tensor(starts, device=dev), "width": width,
-                "mask": mask}
+        # where each row's new key and value go: row b, KV head h at column starts[b] of slot b, as rows of the
+        # layer's buffer seen as [2 x slots x kv heads x columns, head dim] (keys first, then values)
+        S, kvh, C = self.cache.kv[0].shape[1:4]
+        rows = ((torch.arange(2, device=dev)[:, None, None] * S + torch.arange(B, device=dev)[None, :, None]) * kvh
+                + torch.arange(kvh, device=dev)[None, None, :]) * C + torch.tensor(starts, device=dev)[None, :, None]
+        return {"kv_rows": rows.reshape(-1), "width": width, "mask": mask}
 
     def _decode_attention(self, li, q, k, v, plan, prefix):
         """One query per row (rows 0..B-1 in slots 0..B-1): write its key and value, attend (decode_attention)."""
         kv, B = self.cache.kv[li], q.shape[0]
-        kv[0][plan["rows"], :, plan["cols"]] = k                        # [B, kv heads, d] at each row's column
-        kv[1][plan["rows"], :, plan["cols"]] = v
+        # [B, kv heads, d] keys and values at each row's column: one index_copy_ (an advanced-index write of k and
+        # of v took 4x as long)
+        kv.view(-1, self.head_dim).index_copy_(0, plan["kv_rows"], torch.stack([k, v]).reshape(-1, self.head_dim))
         keys, values = kv[0, :B, :, :plan["width"]], kv[1, :B, :, :plan["width"]]
         q = q.reshape(B, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
         return decode_attention(q, keys, values, prefix, plan["mask"]).reshape(B, self.heads * self.head_dim)

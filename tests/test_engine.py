@@ -256,8 +256,8 @@ X86 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and torch.ba
 
 @pytest.mark.skipif(not X86, reason="oneDNN's fp32 prepacking is used (and was measured) on x86 CPUs only")
 def test_fp32_engines_run_prepacked_gemms_within_rounding_of_plain_ones(tokenizer, tiny):
-    """In fp32 too the decoder's GEMM operands are oneDNN-prepacked (on an AVX2-only host 1.2-2.0x F.linear's
-    speed at 64 down to 4 rows, docs/benchmarks.md): the fused layers and the output projection. Not bit for bit
+    """In fp32 too the decoder's GEMM operands are oneDNN-prepacked (on an AVX2-only host 1.34-1.82x F.linear's
+    speed at 48 down to 4 rows, docs/benchmarks.md): the fused layers and the output projection. Not bit for bit
     (oneDNN sums in another order than MKL): within fp32 rounding of F.linear at the decode shapes. The engine's
     tokens against the full-forward oracle (above) run this path."""
     import slot_engine
