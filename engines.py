@@ -308,8 +308,8 @@ class TransformersEngine:
         o, n = self._occ, max(self._occ["iterations"], 1)
         return {"iterations": o["iterations"], "rows_mean": o["rows"] / n, "columns_mean": o["columns"] / n,
                 "read_mean": o["read"] / n, "ms_per_iteration": 1000 * o["seconds"] / n, "tokens": o["tokens"],
-                "slots": self.max_batch, "prefill_tokens": o["prefill_tokens"], "prefill_iterations": o["prefill_iterations"],
-                "prefill_seconds": o["prefill_seconds"]}
+                "slots": self.max_batch, "prefill_tokens": o["prefill_tokens"],
+                "prefill_iterations": o["prefill_iterations"], "prefill_seconds": o["prefill_seconds"]}
 
     # -- the asyncio side ----------------------------------------------------------------------------------
     async def _serve(self) -> None:

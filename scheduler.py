@@ -516,8 +516,9 @@ def stop_rollouts(engines: list, loop: asyncio.AbstractEventLoop) -> None:
 def occupancy_stats(engines: list, reset: bool = False) -> dict:
     """The rollout phase's occupancy for metrics.jsonl, over the engines that trace it (TransformersEngine): decode
     iterations, busy rows per iteration (mean, against engine_slots), longest own context per iteration (mean), own
-    columns a row's decode attention read per iteration (mean: masked ones included), ms per iteration; the tokens prefilled (admitted rows' contexts: prompts past the shared prefix, tool responses)
-    and the seconds of the iterations that prefilled. reset=True starts a new phase."""
+    columns a row's decode attention read per iteration (mean: masked ones included), ms per iteration; the tokens
+    prefilled (admitted rows' contexts: prompts past the shared prefix, tool responses) and the seconds of the
+    iterations that prefilled. reset=True starts a new phase."""
     traced = [e for e in engines if hasattr(e, "occupancy")]
     if reset:
         for e in traced:

@@ -280,8 +280,8 @@ class SlotDecoder:
     def _decode_attention(self, li, q, k, v, plan, prefix):
         """One query per row (rows 0..B-1 in slots 0..B-1): write its key and value, attend (decode_attention)."""
         kv, B = self.cache.kv[li], q.shape[0]
-        # [B, kv heads, d] keys and values at each row's column: one index_copy_ (an advanced-index write of k and
-        # of v took 4x as long)
+        # [B, kv heads, d] keys and values at each row's column: one index_copy_ (with an advanced-index write of k
+        # and one of v, the engine ran 1.04x slower at 64 rows in fp32, the same tokens: docs/benchmarks.md)
         kv.view(-1, self.head_dim).index_copy_(0, plan["kv_rows"], torch.stack([k, v]).reshape(-1, self.head_dim))
         keys, values = kv[0, :B, :, :plan["width"]], kv[1, :B, :, :plan["width"]]
         q = q.reshape(B, self.kv_heads, self.heads // self.kv_heads, self.head_dim)

@@ -3,8 +3,8 @@ the whole-row running sum it replaced.
 
 A rollout phase is a few hundred decode iterations (engines.TransformersEngine.decode_loop), each one
 slot_engine.SlotDecoder.forward over the busy rows plus engines.sample_rows. With the real model's operands (bf16
-where the CPU has bf16 units, else fp32: the engine's fused GEMMs, oneDNN-prepacked on x86) and B rows of random KV over
-[shared prompt | own columns], this script times, per shape:
+where the CPU has bf16 units, else fp32: the engine's fused GEMMs, oneDNN-prepacked on x86) and B rows of random
+KV over [shared prompt | own columns], this script times, per shape:
 
   iteration   SlotDecoder.forward of B decoding rows (one token each) and sample_rows at T = 0.8
   gemms       every layer's fused QKV, output, gate/up and down GEMMs and the vocabulary projection, at B rows
