@@ -24,9 +24,8 @@ def module_at(revision: str, filename: str, name: str, own: tuple[str, ...] = ()
     (engines.py runs on slot_engine.py: a baseline engine must run on its own revision's decoder)."""
     text = source_at(revision, filename)
     for dep in own:
-        pattern = rf"^(\s*)(from {dep} import|import {dep}\b)"
-        if re.search(pattern, text, flags=re.M):
-            alias = f"{dep}_{revision}".replace("~", "_").replace("^", "_").replace("-", "_")
+        if re.search(rf"^\s*(from {dep} import|import {dep}\b)", text, flags=re.M):
+            alias = re.sub(r"\W", "_", f"{dep}_{revision}")   # a module name whatever the revision's spelling
             module_at(revision, f"{dep}.py", alias)
             text = re.sub(rf"^(\s*)from {dep} import", rf"\1from {alias} import", text, flags=re.M)
             text = re.sub(rf"^(\s*)import {dep}\b", rf"\1import {alias} as {dep}", text, flags=re.M)
