@@ -194,8 +194,9 @@ class TransformersEngine:
     every row's stop. A row leaves the moment it stops and its future resolves then, so its tool call starts while
     the others keep decoding; the last row moves into its slot (one row's KV). A row stopped at a tool call hands
     its KV to the engine, and its continuation, admitted like any request, prefills only the tool's response and
-    what follows. Every row samples with its request's own generator, so its tokens do not depend on which other
-    requests share the batch. The decode runs in a worker thread, so the event loop keeps serving tool results.
+    what follows. Requests admitted together with the same context (the samples of one question) prefill it once:
+    the others copy its KV columns and last logits. Every row samples with its request's own generator, so its
+    tokens do not depend on which other requests share the batch. The decode runs in a worker thread, so the event loop keeps serving tool results.
 
     Positions count real tokens only (no padding anywhere), so each row sees the positions of a plain forward of
     its own context. A row whose context does not start with the shared prefix masks the prefix and keeps its whole
@@ -298,18 +299,20 @@ class TransformersEngine:
 
     def reset_occupancy(self) -> None:
         self._occ = {"iterations": 0, "rows": 0, "columns": 0, "read": 0, "seconds": 0.0, "tokens": 0,
-                     "prefill_tokens": 0, "prefill_iterations": 0, "prefill_seconds": 0.0}
+                     "prefill_tokens": 0, "prefill_iterations": 0, "prefill_seconds": 0.0, "copied_tokens": 0}
 
     def occupancy(self) -> dict:
         """The iterations since reset_occupancy(): how many, busy rows, longest own context and own columns read
         by a row's decode attention per iteration (means), milliseconds per iteration, tokens forwarded (sampled
         and prefilled); of those, the prefilled ones (admitted rows' contexts: prompts past the shared prefix,
-        tool responses), and the iterations that prefilled any, with their seconds."""
+        tool responses), and the iterations that prefilled any, with their seconds; and the context tokens not
+        prefilled because a row admitted with them had the same context (copied_tokens: a question's samples)."""
         o, n = self._occ, max(self._occ["iterations"], 1)
         return {"iterations": o["iterations"], "rows_mean": o["rows"] / n, "columns_mean": o["columns"] / n,
                 "read_mean": o["read"] / n, "ms_per_iteration": 1000 * o["seconds"] / n, "tokens": o["tokens"],
                 "slots": self.max_batch, "prefill_tokens": o["prefill_tokens"],
-                "prefill_iterations": o["prefill_iterations"], "prefill_seconds": o["prefill_seconds"]}
+                "prefill_iterations": o["prefill_iterations"], "prefill_seconds": o["prefill_seconds"],
+                "copied_tokens": o["copied_tokens"]}
 
     # -- the asyncio side ----------------------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -386,16 +389,25 @@ class TransformersEngine:
                         ids.append(r.new_ids[-1])
                         pos.append(r.next_pos + len(r.new_ids) - 1)
                         shape.append((1, r.has_prefix))
-                    for item in items:    # admitted rows: what no KV covers of their context
+                    firsts, copies = same_context(items)
+                    for item in firsts:   # admitted rows: what no KV covers of their context
                         row, todo = self._admit(item, len(rows))
                         rows.append(row)
                         ids += row.req.ids[-todo:]
                         pos += range(len(row.req.ids) - todo, len(row.req.ids))
                         shape.append((todo, row.has_prefix))
+                    forwarded = len(rows)
+                    sources = [decoding + f for _, f in copies]
+                    for (item, _), src in zip(copies, sources):   # row src's context: nothing to forward
+                        rows.append(self._admit_copy(item, rows[src]))
                     self._in_flight = [r.item for r in rows]
                     self.waves += bool(items)
                     logits = self.decoder.forward(ids, pos, shape, self._shared_prefix_kv()
                                                   if any(r.has_prefix for r in rows) else None)
+                    if copies:            # their KV columns and last logits are row src's
+                        for slot, src in enumerate(sources, forwarded):
+                            self.decoder.cache.copy(src, slot)
+                        logits = torch.cat([logits, logits[sources]])
                     tokens, lps = sample_rows(logits, [r.req.temperature for r in rows], [r.req.top_p for r in rows],
                                               [r.gen for r in rows])
                     done = []
@@ -478,6 +490,19 @@ class TransformersEngine:
         while len(self._kept_kv) > self.max_batch:
             self._kept_kv.popitem(last=False)
 
+    def _admit_copy(self, item, first):
+        """A row for a request whose context is that of `first`, a row admitted in the same iteration: its KV and
+        its first token's logits are copied from first's (the same tokens at the same positions). Any KV kept
+        for it at a tool call is dropped (the copy covers its whole context)."""
+        import torch
+
+        req = item[0]
+        if req.key:
+            self._kept_kv.pop(req.key[:2], None)
+        self._occ["copied_tokens"] += first.own_len
+        return _Row(item, req, torch.Generator(device=self.device).manual_seed(req.seed), first.has_prefix,
+                    first.own_len, next_pos=len(req.ids))
+
     def _admit(self, item, slot: int):
         """A row for this request in `slot`, with the KV kept at its trajectory's tool call when its context
         begins with that row's context (at most own_len - 1 columns: one token at least runs, for its logits).
@@ -501,6 +526,21 @@ class TransformersEngine:
         todo = own_len - self.decoder.cache.lens[slot]
         self.prefill_tokens += todo
         return row, todo
+
+
+def same_context(items):
+    """The items of one admission split into firsts (the first of each distinct context) and copies: [(item,
+    index in firsts of the item with its context)]. A step submits the 2G samples of a question together, so
+    their prompts are prefilled once (the rest is the same arithmetic on the same tokens: its KV and logits)."""
+    firsts, copies, seen = [], [], {}
+    for item in items:
+        key = tuple(item[0].ids)
+        if key in seen:
+            copies.append((item, seen[key]))
+        else:
+            seen[key] = len(firsts)
+            firsts.append(item)
+    return firsts, copies
 
 
 _HOLDING: dict = {}   # (tokenizer, its size, character) -> token ids: decoding a vocabulary takes a second

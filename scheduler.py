@@ -518,7 +518,8 @@ def occupancy_stats(engines: list, reset: bool = False) -> dict:
     iterations, busy rows per iteration (mean, against engine_slots), longest own context per iteration (mean), own
     columns a row's decode attention read per iteration (mean: masked ones included), ms per iteration; the tokens
     prefilled (admitted rows' contexts: prompts past the shared prefix, tool responses) and the seconds of the
-    iterations that prefilled. reset=True starts a new phase."""
+    iterations that prefilled; the context tokens copied instead (a question's samples admitted together).
+    reset=True starts a new phase."""
     traced = [e for e in engines if hasattr(e, "occupancy")]
     if reset:
         for e in traced:
@@ -536,6 +537,7 @@ def occupancy_stats(engines: list, reset: bool = False) -> dict:
             "rollout_prefill_tokens": sum(o["prefill_tokens"] for o in occ),
             "rollout_prefill_iterations": sum(o["prefill_iterations"] for o in occ),
             "rollout_prefill_s": round(sum(o["prefill_seconds"] for o in occ), 2),
+            "rollout_copied_tokens": sum(o["copied_tokens"] for o in occ),
             "engine_slots": sum(o["slots"] for o in occ)}
 
 

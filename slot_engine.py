@@ -10,7 +10,8 @@ loop samples (engines.sample_rows, paper section 3.2: the rollout engine).
                   (columns grow in chunks); lens[slot] own columns filled. Row i of the running batch lives in
                   slot i: a row that leaves is replaced by the last row (one row's columns moved), a row
                   stopped at a tool call hands its columns to the engine (take) and its continuation gets them
-                  back in a free slot (put), so it prefills only the tool's response.
+                  back in a free slot (put), so it prefills only the tool's response; rows admitted with one
+                  context take a copy of the first one's columns (copy).
     SlotDecoder   the model's weights as GEMM operands (q, k, v fused into one, gate and up into one;
                   oneDNN-prepacked where that measured faster), rebuilt at every weight sync (refresh);
                   the forward over a packed batch: no padding, one GEMM per weight for all rows' tokens.
@@ -136,6 +137,13 @@ class SlotKV:
         for layer in self.kv:
             layer[:, dst, :, :n] = layer[:, src, :, :n]
         self.lens[dst], self.lens[src] = n, 0
+
+    def copy(self, src: int, dst: int) -> None:
+        """Slot src's filled columns into slot dst as well (rows admitted with the same context)."""
+        n = self.lens[src]
+        for layer in self.kv:
+            layer[:, dst, :, :n] = layer[:, src, :, :n]
+        self.lens[dst] = n
 
     def take(self, slot: int, n: int):
         """A copy of the first n columns of a slot, [layers, 2, kv heads, n, head dim]; the slot is free."""

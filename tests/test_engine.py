@@ -186,6 +186,30 @@ def test_the_occupancy_counts_prefilled_tokens_and_the_time_of_the_iterations_th
     assert 0 < occ["prefill_seconds"] <= occ["ms_per_iteration"] * occ["iterations"] / 1000 + 1e-9
 
 
+def test_the_samples_of_one_question_admitted_together_prefill_it_once(tokenizer, tiny):
+    """A step admits the 2G samples of a question at once: their contexts are the same tokens. The engine
+    prefills such a context once and copies its keys, values and last logits into the other rows' slots (each row
+    still samples with its own generator). The oracle: every request's tokens and finish are a full forward's,
+    its log-probs within 1e-4 nats; and the prefilled tokens, counted by hand, hold each distinct context once
+    (two questions x four samples, one question alone, in six slots: the second question's last two samples come
+    in together when two rows leave, and prefill its context once more)."""
+    engine = S.TransformersEngine(tiny, tokenizer, max_batch=6)
+    questions = [S.render_prompt(tokenizer, f"question {i} " + "pad " * (7 * i)) for i in range(3)]
+    prompts = [questions[0]] * 4 + [questions[1]] * 4 + [questions[2]]
+    reqs = [S.GenRequest(p, 3 + 5 * (i % 3), temperature=[1.0, 0.7, 0.0][i % 3], seed=S.request_seed(2, i, 0, 0),
+                         key=(i, 0, 0), stop_text="@@") for i, p in enumerate(prompts)]
+    engine.trace = []
+    got = wave(engine, reqs)
+    for req, r in zip(reqs, got):
+        ids, lps, why = full_forward_sample(tiny, tokenizer, req, engine.eos_ids)
+        assert (r.token_ids, r.finish) == (ids, why)
+        assert torch.allclose(torch.tensor(r.logprobs), torch.tensor(lps), atol=1e-4)
+    own = [len(q) - len(engine.prefix_ids) for q in questions]
+    assert engine.trace[0]["rows"] == 6 and engine.trace[0]["prefill"] == own[0] + own[1]
+    assert engine.occupancy()["prefill_tokens"] == own[0] + 2 * own[1] + own[2]
+    assert engine.occupancy()["copied_tokens"] == 3 * own[0] + 2 * own[1]
+
+
 def test_a_weight_sync_reaches_the_fused_operands_also_when_the_trainer_shares_the_model(tokenizer):
     """The engine samples from copies of the weights (fused, maybe prepacked): after the trainer changes its
     model in place and syncs (load_weights of the engine's own model), the engine samples as a fresh engine on

@@ -841,7 +841,7 @@ def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_mode
               # the engine's iterations depend on when tool results come back
               "rollout_iterations", "rollout_rows_mean", "rollout_columns_mean", "rollout_read_mean",
               "rollout_ms_per_iteration",
-              "rollout_prefill_tokens", "rollout_prefill_iterations", "rollout_prefill_s"}
+              "rollout_prefill_tokens", "rollout_prefill_iterations", "rollout_prefill_s", "rollout_copied_tokens"}
     for key in rows_a[1]:
         if key in timing:
             continue
