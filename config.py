@@ -119,6 +119,8 @@ class Config:
     eval_temperature: float = 0.6
     save_every: int = 5               # steps between checkpoints (and always at the end)
     samples_per_step: int = 2         # trajectories written to samples/ each step
+    engine_trace: bool = False        # every decode iteration of each rollout phase (rows, columns, tokens,
+                                      # ms) to engine_trace.jsonl; the CPU engine only (bench/bench_replay.py)
     # stage 3: the hard subset
     hard_scan: int = 64               # candidate problems tested with 8 rollouts each to find the unsolved ones
     hard_samples: int = 8

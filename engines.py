@@ -196,13 +196,15 @@ class TransformersEngine:
     its KV to the engine, and its continuation, admitted like any request, prefills only the tool's response and
     what follows. Requests admitted together with the same context (the samples of one question) prefill it once:
     the others copy its KV columns and last logits. Every row samples with its request's own generator, so its
-    tokens do not depend on which other requests share the batch. The decode runs in a worker thread, so the event loop keeps serving tool results.
+    tokens do not depend on which other requests share the batch. The decode runs in a worker thread, so the
+    event loop keeps serving tool results.
 
     Positions count real tokens only (no padding anywhere), so each row sees the positions of a plain forward of
     its own context. A row whose context does not start with the shared prefix masks the prefix and keeps its whole
     context in its own columns. engine.trace (set it to a list) records every iteration's busy rows, their longest
-    own context, the tokens forwarded (and of them, prefilled: admitted rows' contexts) and the milliseconds;
-    occupancy() summarizes the iterations since the last reset_occupancy()."""
+    own context, the own columns its decode attention read, the tokens forwarded (and of them, prefilled: admitted
+    rows' contexts), the rows admitted as copies of another's context, and the milliseconds; occupancy()
+    summarizes the iterations since the last reset_occupancy()."""
 
     def __init__(self, model, tokenizer, max_batch: int = 16, kv_capacity_tokens: int = 65536,
                  device: str = "cpu", share_prefix: bool = True, tool_state: str = "stateless"):
@@ -420,7 +422,7 @@ class TransformersEngine:
                                 self._keep_kv(row, j)
                             on_finish(row.item, GenResult(row.new_ids, row.new_lps, why))
                             done.append(j)
-                    self._record(rows, len(ids), len(ids) - decoding, started)
+                    self._record(rows, len(ids), len(ids) - decoding, len(copies), started)
                     rows = self._leave(rows, done)
             finally:
                 self._in_flight = []
@@ -442,7 +444,7 @@ class TransformersEngine:
             self._stop_tokens[stop_text] = tokens_holding(self.tokenizer, stop_text[-1])
         return self._stop_tokens[stop_text]
 
-    def _record(self, rows, tokens: int, prefilled: int, started: float) -> None:
+    def _record(self, rows, tokens: int, prefilled: int, copies: int, started: float) -> None:
         import time
 
         seconds = time.perf_counter() - started
@@ -454,7 +456,7 @@ class TransformersEngine:
             self._occ[key] += value
         if self.trace is not None:
             self.trace.append({"rows": len(rows), "columns": columns, "read": read, "tokens": tokens,
-                               "prefill": prefilled, "ms": round(1000 * seconds, 2)})
+                               "prefill": prefilled, "copies": copies, "ms": round(1000 * seconds, 2)})
 
     def _leave(self, rows, done: list[int]):
         """Drop the stopped rows: each free slot below the new row count takes the KV of a row above it."""

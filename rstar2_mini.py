@@ -175,6 +175,9 @@ def select_step_batch(rt: Runtime, cfg: Config, problem_at, cursor: int, step: i
     import scheduler
 
     scheduler.occupancy_stats(rt.engines if rt else [], reset=True)   # this step's rollout phase starts
+    for engine in rt.engines if rt else []:
+        if hasattr(engine, "trace"):   # the CPU engine records each iteration when given a list
+            engine.trace = [] if cfg.engine_trace else None
     n = cfg.group_size * cfg.oversample  # 2G rollouts per problem (paper: 32)
     informative, drawn, all_trajs, flattened, resampled, solved = [], 0, [], 0, 0, []
     kept, kept_pos, all_pos, dropped_pos = [], [], [], []
@@ -497,6 +500,10 @@ def log_step(rt: Runtime, cfg: Config, stage: str, run_dir: Path, step: int, sta
     with metrics_path.open("a") as f:
         f.write(json.dumps(row) + "\n")
     write_samples(run_dir, step, kept, rt.tokenizer, cfg.samples_per_step)
+    traces = [e.trace for e in rt.engines if getattr(e, "trace", None) is not None]
+    if cfg.engine_trace and traces:
+        with (run_dir / "engine_trace.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "rollout_time_s": row["rollout_time_s"], "iterations": traces[0]}) + "\n")
     bar.update(1)
     bar.set_postfix(reward=f"{stats['reward']:.2f}", kept=stats["groups_kept"],
                     loss=fmt(update["loss"], ".4f"))

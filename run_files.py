@@ -56,7 +56,7 @@ def stage_dir(cfg: Config, stage: str) -> Path:
 
 def comparable(cfg_dict: dict) -> dict:
     """The config fields that define a run (resuming with other values would mix two runs)."""
-    ignore = {"steps", "resume", "out", "save_every", "samples_per_step", "sandbox_isolation"}
+    ignore = {"steps", "resume", "out", "save_every", "samples_per_step", "sandbox_isolation", "engine_trace"}
     return {k: v for k, v in cfg_dict.items() if k not in ignore}
 
 

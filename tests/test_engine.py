@@ -206,6 +206,7 @@ def test_the_samples_of_one_question_admitted_together_prefill_it_once(tokenizer
         assert torch.allclose(torch.tensor(r.logprobs), torch.tensor(lps), atol=1e-4)
     own = [len(q) - len(engine.prefix_ids) for q in questions]
     assert engine.trace[0]["rows"] == 6 and engine.trace[0]["prefill"] == own[0] + own[1]
+    assert engine.trace[0]["copies"] == 3 + 1 and sum(t["copies"] for t in engine.trace) == 5
     assert engine.occupancy()["prefill_tokens"] == own[0] + 2 * own[1] + own[2]
     assert engine.occupancy()["copied_tokens"] == 3 * own[0] + 2 * own[1]
 
@@ -317,3 +318,42 @@ def test_a_rollout_phase_floor_adds_its_prefilled_tokens_at_the_decoder_layers_f
     assert none["floor_s"] == none["decode_floor_s"] == pytest.approx(7 * iteration / 1e3)
     assert some["prefill_floor_s"] == pytest.approx(100 * per_token / 1e6)
     assert some["floor_s"] == pytest.approx(none["floor_s"] + some["prefill_floor_s"])
+
+
+def test_a_replayed_trace_forwards_each_traced_iteration_and_its_time_split_recovers_known_costs(tokenizer, tiny):
+    """bench/bench_replay.py runs a real phase's traced iterations through the decoder alone: each replayed
+    iteration forwards the traced tokens (one a decoding row, the prefilled ones over the rows admitted with a
+    prefill; copies forward none) over as many rows; and its least-squares split, given milliseconds made from
+    known costs per term, gives those costs back."""
+    import sys
+    from pathlib import Path
+
+    from slot_engine import SlotDecoder
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_replay
+
+    engine = S.TransformersEngine(tiny, tokenizer, max_batch=5)
+    prompts = [S.render_prompt(tokenizer, f"question {i // 3} " + "pad " * (5 * (i // 3))) for i in range(9)]
+    reqs = [S.GenRequest(p, 2 + 3 * (i % 4), temperature=1.0, seed=i, stop_text="@@") for i, p in enumerate(prompts)]
+    engine.trace = []
+    wave(engine, reqs)
+    assert sum(t["copies"] for t in engine.trace) >= 2
+    for it in engine.trace:
+        starts, rows = bench_replay.iteration_shape(it)
+        assert sum(n for n, _ in rows) == it["tokens"] and len(rows) + it["copies"] == it["rows"]
+        decoding = it["tokens"] - it["prefill"]
+        assert starts[:decoding] == [it["read"] - 1] * decoding and starts[decoding:] == [0] * (len(rows) - decoding)
+    decoder = SlotDecoder(tiny, 5, "cpu")
+    with torch.inference_mode():
+        decoder.refresh()
+        prefix = decoder.prefix_kv(engine.prefix_ids)
+        ms = bench_replay.replay_step(decoder, prefix, len(engine.prefix_ids), engine.trace)
+    assert len(ms) == len(engine.trace) and all(m > 0 for m in ms)
+    made = [500 + 200 * t["rows"] + 300 * t["rows"] * t["read"] / 1000 + 50 * t["prefill"] for t in engine.trace]
+    split = bench_replay.time_split(engine.trace, made)
+    assert (split["ms_fixed"], split["ms_per_row"], split["ms_per_prefilled_token"]) == pytest.approx((500, 200, 50),
+                                                                                                      abs=1e-2)
+    assert split["ms_per_row_kcolumn"] == pytest.approx(300, abs=0.5)
+    # each term's seconds (rounded to 0.1 s) add up to the phase's
+    assert sum(split[f"{term}_s"] for term in bench_replay.TERMS) == pytest.approx(sum(made) / 1000, abs=0.25)

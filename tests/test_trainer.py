@@ -804,7 +804,7 @@ def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_mode
     # none: 7 of 8 coin rewards 1, RoC kept the right ones)
     steps_cfg = dict(max_response_tokens=192, temperature=1.3, samples_per_step=8, drop_all_equal=True,
                      max_draw_rounds=3)
-    cfg = tiny_config(tmp_path / "a", steps=2, **steps_cfg)
+    cfg = tiny_config(tmp_path / "a", steps=2, engine_trace=True, **steps_cfg)
     d_a = tmp_path / "a" / "stage1"
     d_a.mkdir(parents=True)
     last = run_steps(cfg, tool_model_dir, d_a, reward_fn=coin)
@@ -817,6 +817,13 @@ def test_full_rl_step_with_real_tool_calls_then_exact_resume(tmp_path, tool_mode
     # ... and what it prefilled: the prompts past the shared prefix and the tool responses, in some iterations
     assert all(r["rollout_prefill_tokens"] > 0 and 0 < r["rollout_prefill_iterations"] < r["rollout_iterations"]
                and 0 < r["rollout_prefill_s"] <= r["rollout_time_s"] for r in rows_a)
+    # engine_trace=True: every decode iteration of each phase in engine_trace.jsonl, the same counts as the metrics
+    traces = [json.loads(x) for x in (d_a / "engine_trace.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in traces] == [1, 2]
+    for r, t in zip(rows_a, traces):
+        its = t["iterations"]
+        assert len(its) == r["rollout_iterations"] and sum(i["prefill"] for i in its) == r["rollout_prefill_tokens"]
+        assert sum(i["rows"] for i in its) / len(its) == pytest.approx(r["rollout_rows_mean"], abs=0.01)
     samples = [(d_a / "samples" / f"step_000{k}.md").read_text() for k in (1, 2)]
     assert any("<tool_response>" in sample for sample in samples)
     assert all(r["loss"] is not None and r["grad_norm"] > 0 for r in rows_a)  # both steps updated
