@@ -19,6 +19,11 @@ is not rebuilt), random token ids (the cost does not depend on them). Then
     python rstar2_mini.py --stage 1 --steps 2 --out runs/trace --set engine_trace=1 ...   # a run that traces
     python bench/bench_replay.py --model runs/rstar2/sft/model --trace runs/trace/stage1/engine_trace.jsonl
 
+--against OTHER: another run's trace of the same steps (say, the same command at an earlier revision), replayed
+beside this one, the two alternating every 25 iterations, so that a slow spell of the host hits both: the decoder's
+seconds for each run's iterations of each step, and their ratio (what a change to the engine's admission or the
+loop's shapes saved, with the cost of the iterations themselves held equal).
+
 The model must be the run's policy at those steps (its SFT checkpoint for the first steps: the weights only set
 the cost through their shapes, so a later checkpoint of the same run times the same). The last line printed is
 one JSON object.
@@ -38,11 +43,13 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="the run's model directory (its SFT checkpoint)")
     parser.add_argument("--trace", required=True, help="a run's engine_trace.jsonl (--set engine_trace=1)")
+    parser.add_argument("--against", default=None, help="another run's engine_trace.jsonl, replayed alternating")
     args = parser.parse_args()
     if not os.path.exists(os.path.join(args.model, "config.json")):
         sys.exit(f"error: {args.model} is not a model directory (no config.json)")
-    if not os.path.exists(args.trace):
-        sys.exit(f"error: no trace at {args.trace}: run the command with --set engine_trace=1")
+    for path in (args.trace, args.against):
+        if path is not None and not os.path.exists(path):
+            sys.exit(f"error: no trace at {path}: run the command with --set engine_trace=1")
     return args
 
 
@@ -96,6 +103,16 @@ def replay_step(decoder, prefix, P: int, its: list[dict]) -> list[float]:
     return out
 
 
+def alternating(decoder, prefix, P: int, a: list[dict], b: list[dict], chunk: int = 25) -> tuple[float, float]:
+    """Seconds of the decoder on iterations a and on iterations b, replayed 25 at a time in turn."""
+    sums = [0.0, 0.0]
+    for k in range(0, max(len(a), len(b)), chunk):
+        for arm, its in enumerate((a, b)):
+            if its[k:k + chunk]:
+                sums[arm] += sum(replay_step(decoder, prefix, P, its[k:k + chunk])) / 1000
+    return sums[0], sums[1]
+
+
 def time_split(its: list[dict], ms: list[float]) -> dict:
     """Least squares of ms over [1, rows, rows x read / 1000, prefill]: each term's coefficient and its seconds
     summed over the iterations."""
@@ -119,10 +136,11 @@ def main():
     from slot_engine import SlotDecoder
 
     steps = read_trace(args.trace)
+    others = {step["step"]: step for step in read_trace(args.against)} if args.against else {}
     dtype = models.engine_dtype(None)
     model = models.load_model(args.model, dtype=dtype)
     prefix_ids = engines.shared_prompt_prefix(models.load_tokenizer(args.model))
-    slots = max(it["rows"] for step in steps for it in step["iterations"])
+    slots = max(it["rows"] for step in steps + list(others.values()) for it in step["iterations"])
     decoder = SlotDecoder(model, slots, "cpu")
     report = {"host": models.cpu_kind(), "threads": torch.get_num_threads(),
               "dtype": str(dtype).removeprefix("torch."), "trace": args.trace, "steps": []}
@@ -143,10 +161,22 @@ def main():
             report["steps"].append(row)
             all_its += its
             all_ms += ms
+        ab = []   # (this run's decoder seconds, the other run's) of each step both traced
+        for step in steps:
+            if step["step"] in others:
+                this, other = alternating(decoder, prefix, len(prefix_ids), step["iterations"],
+                                          others[step["step"]]["iterations"])
+                ab.append((this, other))
+                print(json.dumps({"step": step["step"], "replay_s": round(this, 1), "against_replay_s": round(other, 1),
+                                  "against_over_this": round(other / this, 3)}), flush=True)
         decoder.cache = None
     real = sum(it["ms"] for it in all_its) / 1000
     report |= {"real_s": round(real, 1), "replay_s": round(sum(all_ms) / 1000, 1),
                "real_over_replay": round(real * 1000 / sum(all_ms), 3), **time_split(all_its, all_ms)}
+    if ab:
+        this, other = sum(a for a, _ in ab), sum(b for _, b in ab)
+        report |= {"against": args.against, "alternating_replay_s": round(this, 1),
+                   "alternating_against_replay_s": round(other, 1), "against_over_this": round(other / this, 3)}
     print(json.dumps(report))
 
 

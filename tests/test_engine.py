@@ -29,7 +29,8 @@ def full_forward_sample(model, tokenizer, req, eos_ids):
     T = req.temperature if req.temperature > 0 else 1.0
     while True:
         with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            # the whole context through every layer; the vocabulary projection of its last position only
+            logits = model(torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float()
         logp = torch.log_softmax(logits / T, -1)
         tok = per_row_sample(logp, req.temperature, gen)
         ids.append(tok)
@@ -196,7 +197,7 @@ def test_the_samples_of_one_question_admitted_together_prefill_it_once(tokenizer
     engine = S.TransformersEngine(tiny, tokenizer, max_batch=6)
     questions = [S.render_prompt(tokenizer, f"question {i} " + "pad " * (7 * i)) for i in range(3)]
     prompts = [questions[0]] * 4 + [questions[1]] * 4 + [questions[2]]
-    reqs = [S.GenRequest(p, 3 + 5 * (i % 3), temperature=[1.0, 0.7, 0.0][i % 3], seed=S.request_seed(2, i, 0, 0),
+    reqs = [S.GenRequest(p, 3 + 3 * (i % 3), temperature=[1.0, 0.7, 0.0][i % 3], seed=S.request_seed(2, i, 0, 0),
                          key=(i, 0, 0), stop_text="@@") for i, p in enumerate(prompts)]
     engine.trace = []
     got = wave(engine, reqs)
@@ -321,10 +322,10 @@ def test_a_rollout_phase_floor_adds_its_prefilled_tokens_at_the_decoder_layers_f
 
 
 def test_a_replayed_trace_forwards_each_traced_iteration_and_its_time_split_recovers_known_costs(tokenizer, tiny):
-    """bench/bench_replay.py runs a real phase's traced iterations through the decoder alone: each replayed
-    iteration forwards the traced tokens (one a decoding row, the prefilled ones over the rows admitted with a
-    prefill; copies forward none) over as many rows; and its least-squares split, given milliseconds made from
-    known costs per term, gives those costs back."""
+    """bench/bench_replay.py runs a real phase's traced iterations through the decoder alone (two traces in turn
+    with --against): each replayed iteration forwards the traced tokens (one a decoding row, the prefilled ones
+    over the rows admitted with a prefill; copies forward none) over as many rows; and its least-squares split,
+    given milliseconds made from known costs per term, gives those costs back."""
     import sys
     from pathlib import Path
 
@@ -349,7 +350,8 @@ def test_a_replayed_trace_forwards_each_traced_iteration_and_its_time_split_reco
         decoder.refresh()
         prefix = decoder.prefix_kv(engine.prefix_ids)
         ms = bench_replay.replay_step(decoder, prefix, len(engine.prefix_ids), engine.trace)
-    assert len(ms) == len(engine.trace) and all(m > 0 for m in ms)
+        a, b = bench_replay.alternating(decoder, prefix, len(engine.prefix_ids), engine.trace, engine.trace[:3], 2)
+    assert len(ms) == len(engine.trace) and all(m > 0 for m in ms) and a > b > 0
     made = [500 + 200 * t["rows"] + 300 * t["rows"] * t["read"] / 1000 + 50 * t["prefill"] for t in engine.trace]
     split = bench_replay.time_split(engine.trace, made)
     assert (split["ms_fixed"], split["ms_per_row"], split["ms_per_prefilled_token"]) == pytest.approx((500, 200, 50),
