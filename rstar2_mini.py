@@ -374,6 +374,7 @@ def train_stage(rt: Runtime, cfg: Config, stage: str, run_dir: Path, problem_at,
     metrics_path = run_dir / "metrics.jsonl"
     if lead:  # a fresh stage starts these files anew; a resumed one drops lines logged after its checkpoint
         keep_lines_up_to(metrics_path, step if step > 0 else -1)
+        keep_lines_up_to(run_dir / "engine_trace.jsonl", step if step > 0 else -1)
         keep_lines_up_to(run_dir / "scan.jsonl", scan_step if cells is not None else -1)
 
     import tasks

@@ -5,7 +5,8 @@ The same 64 prompts (tasks' questions, the real system prompt; --samples 8: 8 qu
 step submits them), sampled at temperature 1 with the same seeds and max_new_tokens, through
 TransformersEngine.decode_wave of this tree and of the baseline revision (engines.py from git, --baseline,
 imported as its own module on its own copy of the model), each on the engine's dtype (bf16 where the CPU has bf16
-units, as precision=auto), in rounds baseline, current, baseline, current: a disturbance of the machine hits both. Tokens/s counts the tokens each returns (up to and including eos). Then:
+units, as precision=auto), in rounds baseline, current, baseline, current: a disturbance of the machine hits both.
+Tokens/s counts the tokens each returns (up to and including eos). Then:
 
   * the floor: this CPU's cold-weight GEMM rate (every weight of the model in one pass, as a decode iteration
     reads them; plain and oneDNN-prepacked), its STREAM triad bandwidth, and the per-iteration floor

@@ -67,8 +67,9 @@ def read_trace(path: str) -> list[dict]:
 
 
 def iteration_shape(it: dict):
-    """(starts, rows, positions offsets) of one traced iteration: decoding rows at the columns read, prefilled
-    tokens split evenly over the rows admitted with a prefill (copies forward nothing)."""
+    """(each row's first column, [(tokens, has_prefix)] of each row) of one traced iteration, as
+    SlotDecoder.forward takes them: decoding rows at the columns read, prefilled tokens split evenly over the
+    rows admitted with a prefill (copies forward nothing)."""
     decoding = it["tokens"] - it["prefill"]
     admitted = it["rows"] - decoding - it.get("copies", 0)
     per = [it["prefill"] // admitted + (i < it["prefill"] % admitted) for i in range(admitted)] if admitted else []
