@@ -131,19 +131,17 @@ class SlotKV:
             new[:, :, :, :used] = old[:, :, :, :used]
             self.kv[li] = new
 
-    def move(self, src: int, dst: int) -> None:
-        """Slot src's filled columns into slot dst (a row leaving makes room for the last row)."""
-        n = self.lens[src]
-        for layer in self.kv:
-            layer[:, dst, :, :n] = layer[:, src, :, :n]
-        self.lens[dst], self.lens[src] = n, 0
-
     def copy(self, src: int, dst: int) -> None:
         """Slot src's filled columns into slot dst as well (rows admitted with the same context)."""
         n = self.lens[src]
         for layer in self.kv:
             layer[:, dst, :, :n] = layer[:, src, :, :n]
         self.lens[dst] = n
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot src's filled columns into slot dst, src freed (a row leaving makes room for the last row)."""
+        self.copy(src, dst)
+        self.lens[src] = 0
 
     def take(self, slot: int, n: int):
         """A copy of the first n columns of a slot, [layers, 2, kv heads, n, head dim]; the slot is free."""
