@@ -65,6 +65,8 @@ class Config:
     temperature: float = 1.0          # rollout temperature (paper: 1.0 for training, 0.6 for evaluation)
     top_p: float = 1.0
     tool_timeout_s: float = 10.0
+    tool_core_after_s: float = 0.05  # a tool call running longer holds a core: the CPU engine decodes on one thread
+                                      # fewer until it returns (scheduler.RolloutConfig; < 0: never)
     # the Python tool's state across a trajectory's calls (sandbox.py, docs/sandbox.md): stateless (the paper's:
     # each call a fresh process) | replay (earlier successful calls rerun before each call) | persistent (one live,
     # isolated Python session per trajectory; a failed call is rolled back). A stateful tool is named in the prompt.

@@ -18,6 +18,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from model import release_freed_memory
 from protocol import TOOL_CALL_CLOSE, render_prompt
@@ -239,6 +240,9 @@ class TransformersEngine:
         self.waves = 0                    # iterations that admitted requests
         self.prefill_tokens = 0           # tokens prefilled (the shared prefix excluded)
         self.trace: list | None = None    # set to [] to record every iteration (see the class docstring)
+        # () -> how many cores other work holds now (the sandbox's running calls: scheduler.rollout_groups sets it
+        # on a CPU engine); each iteration decodes on torch's threads less that many, at least one (_threads_for)
+        self.cores_taken: Callable[[], int] | None = None
         self.reset_occupancy()
 
     # -- the engine interface ------------------------------------------------------------------------------
@@ -301,20 +305,22 @@ class TransformersEngine:
 
     def reset_occupancy(self) -> None:
         self._occ = {"iterations": 0, "rows": 0, "columns": 0, "read": 0, "seconds": 0.0, "tokens": 0,
-                     "prefill_tokens": 0, "prefill_iterations": 0, "prefill_seconds": 0.0, "copied_tokens": 0}
+                     "prefill_tokens": 0, "prefill_iterations": 0, "prefill_seconds": 0.0, "copied_tokens": 0,
+                     "threads": 0}
 
     def occupancy(self) -> dict:
         """The iterations since reset_occupancy(): how many, busy rows, longest own context and own columns read
         by a row's decode attention per iteration (means), milliseconds per iteration, tokens forwarded (sampled
         and prefilled); of those, the prefilled ones (admitted rows' contexts: prompts past the shared prefix,
         tool responses), and the iterations that prefilled any, with their seconds; and the context tokens not
-        prefilled because a row admitted with them had the same context (copied_tokens: a question's samples)."""
+        prefilled because a row admitted with them had the same context (copied_tokens: a question's samples); the
+        decode's threads per iteration (mean: fewer than torch's while tool calls held cores)."""
         o, n = self._occ, max(self._occ["iterations"], 1)
         return {"iterations": o["iterations"], "rows_mean": o["rows"] / n, "columns_mean": o["columns"] / n,
                 "read_mean": o["read"] / n, "ms_per_iteration": 1000 * o["seconds"] / n, "tokens": o["tokens"],
                 "slots": self.max_batch, "prefill_tokens": o["prefill_tokens"],
                 "prefill_iterations": o["prefill_iterations"], "prefill_seconds": o["prefill_seconds"],
-                "copied_tokens": o["copied_tokens"]}
+                "copied_tokens": o["copied_tokens"], "threads_mean": o["threads"] / n}
 
     # -- the asyncio side ----------------------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -372,6 +378,7 @@ class TransformersEngine:
 
         rows: list[_Row] = []             # rows[i] holds KV slot i
         self._in_flight = []
+        base = threads = torch.get_num_threads()   # this thread's team: one thread a core unless set otherwise
         with self._weights_lock, torch.inference_mode():
             if self._stale:
                 self.decoder.refresh()
@@ -385,6 +392,7 @@ class TransformersEngine:
                     items = take(self.max_batch - len(rows), not rows) if len(rows) < self.max_batch else []
                     if items is None:
                         return
+                    threads = self._threads_for(base, threads)
                     ids, pos, shape = [], [], []
                     decoding = len(rows)
                     for r in rows:        # decoding rows: the token each sampled last
@@ -422,12 +430,28 @@ class TransformersEngine:
                                 self._keep_kv(row, j)
                             on_finish(row.item, GenResult(row.new_ids, row.new_lps, why))
                             done.append(j)
-                    self._record(rows, len(ids), len(ids) - decoding, len(copies), started)
+                    self._record(rows, len(ids), len(ids) - decoding, len(copies), threads, started)
                     rows = self._leave(rows, done)
             finally:
+                if threads != base:
+                    torch.set_num_threads(base)
                 self._in_flight = []
                 self.decoder.cache = None      # the slots' memory goes back (the trainer runs next)
                 release_freed_memory()
+
+    def _threads_for(self, base: int, now: int) -> int:
+        """The decode's threads for the next iteration: `base` (torch's, one a core) less the cores other work holds
+        (cores_taken: the sandbox's calls running longer than RolloutConfig.tool_core_after_s), at least one. An
+        OpenMP team member that shares its core with a tool call holds up the whole team at every parallel region
+        of the iteration: beside one busy core, one decode iteration of 8 rows took 274 ms on two threads and 130 ms
+        on one (docs/contention.md). The thread count sets no value: fp32 logits are the same bits on 1 and 2
+        threads (tests/test_engine.py)."""
+        import torch
+
+        want = base if self.cores_taken is None or self.device != "cpu" else max(1, base - self.cores_taken())
+        if want != now:
+            torch.set_num_threads(want)   # (this thread's OpenMP team; the trainer's thread keeps its own)
+        return want
 
     def _stop(self, row) -> str | None:
         """finish_reason of the row's latest token; the stop text is decoded only after a token that holds its
@@ -444,7 +468,7 @@ class TransformersEngine:
             self._stop_tokens[stop_text] = tokens_holding(self.tokenizer, stop_text[-1])
         return self._stop_tokens[stop_text]
 
-    def _record(self, rows, tokens: int, prefilled: int, copies: int, started: float) -> None:
+    def _record(self, rows, tokens: int, prefilled: int, copies: int, threads: int, started: float) -> None:
         import time
 
         seconds = time.perf_counter() - started
@@ -452,11 +476,13 @@ class TransformersEngine:
         read = self.decoder.read_columns   # own columns the decoding rows' attention read (masked ones included)
         for key, value in (("iterations", 1), ("rows", len(rows)), ("columns", columns), ("read", read),
                            ("seconds", seconds), ("tokens", tokens), ("prefill_tokens", prefilled),
-                           ("prefill_iterations", prefilled > 0), ("prefill_seconds", seconds if prefilled else 0.0)):
+                           ("prefill_iterations", prefilled > 0), ("prefill_seconds", seconds if prefilled else 0.0),
+                           ("threads", threads)):
             self._occ[key] += value
         if self.trace is not None:
             self.trace.append({"rows": len(rows), "columns": columns, "read": read, "tokens": tokens,
-                               "prefill": prefilled, "copies": copies, "ms": round(1000 * seconds, 2)})
+                               "prefill": prefilled, "copies": copies, "threads": threads,
+                               "ms": round(1000 * seconds, 2)})
 
     def _leave(self, rows, done: list[int]):
         """Drop the stopped rows: each free slot below the new row count takes the KV of a row above it."""

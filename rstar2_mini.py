@@ -120,6 +120,7 @@ def rollout_config(cfg: Config, temperature: float | None = None, max_turns: int
     return scheduler.RolloutConfig(max_turns=max_turns or cfg.max_turns, max_response_tokens=cfg.max_response_tokens,
                                    temperature=temperature if temperature is not None else cfg.temperature,
                                    top_p=cfg.top_p, tool_timeout_s=cfg.tool_timeout_s,
+                                   tool_core_after_s=cfg.tool_core_after_s,
                                    deterministic=cfg.deterministic, chunk_tokens=cfg.chunk_tokens,
                                    tool_state=cfg.tool_state)
 

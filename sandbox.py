@@ -373,6 +373,7 @@ class SandboxPool:
         self._worker_pids: set[int] = set()
         self._lock = threading.Lock()
         self._closing = False
+        self._call_started: list[float | None] = [None] * self.workers  # worker index -> its call's start, or None
 
     # -- lifecycle
 
@@ -422,6 +423,12 @@ class SandboxPool:
             self._queue.put(None, index)
         threads, self._threads = self._threads, []
         await asyncio.to_thread(lambda: [t.join() for t in threads])
+
+    def calls_running(self, longer_than_s: float = 0.0) -> int:
+        """How many workers have been running a call for more than longer_than_s seconds: the cores the sandbox
+        holds now (a call's code runs on one core). The CPU engine decodes on the others (engines.py, cores_taken)."""
+        now = time.monotonic()
+        return sum(1 for t in list(self._call_started) if t is not None and now - t > longer_than_s)
 
     def worker_pids(self) -> list[int]:
         with self._lock:
@@ -542,10 +549,13 @@ class SandboxPool:
                 if "session" in request and not self._session_on(worker, request):
                     future.set_result(ExecResult("crashed", "", SESSION_LOST, None, 0.0, rolled_back=True))
                     continue
+                self._call_started[index] = time.monotonic()
                 try:
                     result, worker_ok = self._call(worker, request)
                 except Exception as e:  # noqa: BLE001 - a bug of ours: the caller hears of it, the thread lives
                     result, worker_ok = ExecResult("crashed", "", f"sandbox internal error: {e!r}", None, 0.0), False
+                finally:
+                    self._call_started[index] = None
                 future.set_result(result)
                 with self._lock:
                     self.stats["calls"] += 1

@@ -155,6 +155,10 @@ class RolloutConfig:
     # | replay (earlier successful calls rerun before each call) | persistent (one live Python session per
     # trajectory, failed calls rolled back). A stateful tool is named in the prompt (protocol.TOOL_STATE_LINES).
     tool_state: str = "stateless"
+    # A tool call running longer than this (seconds) holds one of the CPU engine's cores until it returns: the
+    # engine decodes on one thread fewer meanwhile (engines.py, TransformersEngine._threads_for). A negative value:
+    # never (the decode keeps all its threads and shares their cores with the calls).
+    tool_core_after_s: float = 0.05
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -435,6 +439,10 @@ async def rollout_groups(engines: list, pool, tokenizer, problems: list[tuple[st
         raise ValueError(f"a prompt of {max(map(len, prompts))} tokens plus the {cfg.max_response_tokens}-token "
                          f"budget does not fit in any engine's KV capacity ({biggest} tokens)")
     sched = Scheduler(engines, cfg, len(problems), n_per_problem)
+    for e in engines:   # the CPU engine decodes on the cores the sandbox's running calls leave it
+        if hasattr(e, "cores_taken") and hasattr(pool, "calls_running"):
+            after = cfg.tool_core_after_s
+            e.cores_taken = (lambda: pool.calls_running(after)) if after >= 0 else None
     bar = tqdm(total=len(problems) * n_per_problem, desc="rollouts", unit="traj", disable=not progress)
     round_done, first_rounds = asyncio.Event(), [len(problems)]
 
@@ -518,7 +526,8 @@ def occupancy_stats(engines: list, reset: bool = False) -> dict:
     iterations, busy rows per iteration (mean, against engine_slots), longest own context per iteration (mean), own
     columns a row's decode attention read per iteration (mean: masked ones included), ms per iteration; the tokens
     prefilled (admitted rows' contexts: prompts past the shared prefix, tool responses) and the seconds of the
-    iterations that prefilled; the context tokens copied instead (a question's samples admitted together).
+    iterations that prefilled; the context tokens copied instead (a question's samples admitted together); the
+    decode's threads per iteration (mean: fewer than torch's while the sandbox's calls held cores).
     reset=True starts a new phase."""
     traced = [e for e in engines if hasattr(e, "occupancy")]
     if reset:
@@ -538,6 +547,7 @@ def occupancy_stats(engines: list, reset: bool = False) -> dict:
             "rollout_prefill_iterations": sum(o["prefill_iterations"] for o in occ),
             "rollout_prefill_s": round(sum(o["prefill_seconds"] for o in occ), 2),
             "rollout_copied_tokens": sum(o["copied_tokens"] for o in occ),
+            "rollout_threads_mean": round(sum(o["threads_mean"] * o["iterations"] for o in occ) / n, 2),
             "engine_slots": sum(o["slots"] for o in occ)}
 
 

@@ -212,6 +212,43 @@ def test_the_samples_of_one_question_admitted_together_prefill_it_once(tokenizer
     assert engine.occupancy()["copied_tokens"] == 3 * own[0] + 2 * own[1]
 
 
+def test_while_tool_calls_hold_cores_the_engine_decodes_on_fewer_threads_and_samples_the_same(tokenizer, tiny):
+    """A tool call's code runs on one core; an OpenMP team member sharing that core holds up every parallel
+    region of a decode iteration. The engine asks cores_taken() before each iteration and decodes on torch's
+    threads less that many (at least one), then gives the thread its count back. The oracle: the full-forward
+    sampler's tokens and log-probs, and the threads each iteration ran on, counted by hand (2, 2, then 1 while
+    one call "runs", then 1 while three do, then 2 again)."""
+    reqs = [S.GenRequest(S.render_prompt(tokenizer, f"question {i}"), 9, temperature=1.0,
+                         seed=S.request_seed(5, i, 0, 0)) for i in range(3)]
+    held = [0, 0, 1, 1, 3, 3, 0]          # cores other work holds before iteration 1, 2, ...
+    asked = []
+
+    def cores_taken():
+        asked.append(torch.get_num_threads())   # the threads the previous iteration left set
+        return held[min(len(asked), len(held)) - 1]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)               # (the suite runs on one thread: conftest.py)
+    try:
+        engine = S.TransformersEngine(tiny, tokenizer, max_batch=4)
+        engine.cores_taken = cores_taken
+        engine.trace = []
+        got = wave(engine, reqs)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    for req, r in zip(reqs, got):
+        ids, lps, why = full_forward_sample(tiny, tokenizer, req, engine.eos_ids)
+        assert (r.token_ids, r.finish) == (ids, why)
+        assert torch.allclose(torch.tensor(r.logprobs), torch.tensor(lps), atol=1e-4)
+    n = len(engine.trace)
+    assert n == 9 and len(asked) == n
+    assert [t["threads"] for t in engine.trace] == [2, 2, 1, 1, 1, 1, 2, 2, 2]
+    assert asked[1:] == [t["threads"] for t in engine.trace][:-1]
+    assert engine.occupancy()["threads_mean"] == pytest.approx(14 / 9)
+    assert after == 2                      # the team is whole again when the loop ends
+
+
 def test_a_weight_sync_reaches_the_fused_operands_also_when_the_trainer_shares_the_model(tokenizer):
     """The engine samples from copies of the weights (fused, maybe prepacked): after the trainer changes its
     model in place and syncs (load_weights of the engine's own model), the engine samples as a fresh engine on

@@ -412,6 +412,26 @@ def test_per_call_timeout_overrides_the_default(pool):
     assert r.status == "ok" and r.stdout == "slept\n"
 
 
+def test_the_pool_counts_the_calls_running_longer_than_a_time(pool):
+    """calls_running(s): how many workers have been running a call for more than s seconds, the cores the sandbox
+    holds (the CPU engine decodes on the others). A call that sleeps 3 s is counted with s = 0 from its start,
+    with s = 0.5 once half a second has passed, never with s = 10; nothing is counted once it returned."""
+    async def go():
+        call = asyncio.ensure_future(pool.run("import time\ntime.sleep(3)\nprint('slept')", timeout_s=10))
+        deadline = time.monotonic() + 10
+        while pool.calls_running() == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        seen = [(pool.calls_running(), pool.calls_running(10))]
+        await asyncio.sleep(0.6)
+        seen.append(pool.calls_running(0.5))
+        result = await call
+        return result, seen, pool.calls_running()
+
+    result, seen, after = asyncio.run(go())
+    assert result.stdout == "slept\n"
+    assert seen == [(1, 0), 1] and after == 0
+
+
 def test_format_tool_response_matches_the_papers_text():
     ok = ExecResult("ok", "4\n", "", 0, 0.0123)
     assert format_tool_response(ok) == "Tool call success\nstdout: 4\n\nexecution time: 0.01s"

@@ -760,6 +760,35 @@ def test_deterministic_mode_is_bit_identical(tokenizer):
     assert len({tuple(o[0]) for o in outs[0]}) == 6
 
 
+def test_the_rollouts_tell_the_cpu_engine_which_cores_the_sandbox_holds(tokenizer, tiny):
+    """run_rollouts binds the CPU engine's cores_taken to the pool's calls_running at the rollout config's
+    tool_core_after_s: with one call counted the engine decodes on one thread of two; with the option negative it
+    never asks and keeps both."""
+    class Busy(EchoTools):   # a pool whose workers always report one call running
+        def __init__(self):
+            super().__init__()
+            self.asked = []
+
+        def calls_running(self, longer_than_s=0.0):
+            self.asked.append(longer_than_s)
+            return 1
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)               # (the suite runs on one thread: conftest.py)
+    try:
+        threads = {}
+        for after in (0.25, -1.0):
+            engine = S.TransformersEngine(tiny, tokenizer, max_batch=4)
+            engine.trace, pool = [], Busy()
+            cfg = S.RolloutConfig(max_turns=1, max_response_tokens=6, tool_core_after_s=after)
+            S.run_rollouts([engine], pool, tokenizer, [("q", "What is 2 + 2?")], 2, cfg, seed=0, progress=False)
+            threads[after] = ({t["threads"] for t in engine.trace}, set(pool.asked))
+    finally:
+        torch.set_num_threads(before)
+    assert threads[0.25] == ({1}, {0.25})
+    assert threads[-1.0] == ({2}, set())
+
+
 # ---- one short run of the real model
 
 
