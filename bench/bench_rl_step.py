@@ -110,7 +110,7 @@ def run_arm(tree: Path, out: Path, extra: list[str]) -> list[dict]:
 KEYS = ("rollout_time_s", "step_time_s", "gen_tokens_per_s", "train_tokens_per_s", "peak_mem_gb",
         "logprob_diff_mean", "logprob_diff_max", "response_len", "rollout_iterations", "rollout_rows_mean",
         "rollout_columns_mean", "rollout_read_mean", "rollout_ms_per_iteration", "rollout_prefill_tokens",
-        "rollout_prefill_s", "rollout_copied_tokens", "train_tokens", "problems_resampled")
+        "rollout_prefill_s", "rollout_copied_tokens", "rollout_threads_mean", "train_tokens", "problems_resampled")
 
 
 def floor_shares(row: dict) -> dict:
