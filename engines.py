@@ -443,9 +443,9 @@ class TransformersEngine:
         """The decode's threads for the next iteration: `base` (torch's, one a core) less the cores other work holds
         (cores_taken: the sandbox's calls running longer than RolloutConfig.tool_core_after_s), at least one. An
         OpenMP team member that shares its core with a tool call holds up the whole team at every parallel region
-        of the iteration: beside one busy core, one decode iteration of 8 rows took 274 ms on two threads and 130 ms
-        on one (docs/contention.md). The thread count sets no value: fp32 logits are the same bits on 1 and 2
-        threads (tests/test_engine.py)."""
+        of the iteration: beside a call that spins, a decode iteration of 8 rows took 174 ms on two threads and 104
+        ms on one, 79 ms alone (2 AVX2 cores; docs/contention.md, "A tool call takes a core"). The thread count sets
+        no value: fp32 logits are the same bits on 1 and 2 threads (tests/test_engine.py)."""
         import torch
 
         want = base if self.cores_taken is None or self.device != "cpu" else max(1, base - self.cores_taken())
