@@ -20,8 +20,10 @@ of its floor: iterations x the per-iteration floor at the mean rows and columns,
 past the shared prefix, tool responses) at the cold GEMM rate, over the phase's time (roofline.phase_floor_s, at
 the cold GEMM rate and STREAM bandwidth; a current arm that does not record prefilled tokens counts none); the
 update's share of its floor:
-6 x parameters FLOPs a trained token (forward and backward) at the cold GEMM rate of 1024 rows (the trainer's
-micro-batch shape) / the update's time.
+6 x parameters FLOPs a token the update forwards (forward and backward) at the cold GEMM rate of 1024 rows (the
+trainer's micro-batch shape) / the update's time. The tokens forwarded are the kept trajectories' tokens with
+the shared system prompt counted once a mini-batch, as rl_update.policy_update runs it, not once a trajectory
+(the pi_old forward of the later mini-batches, a third of their cost, is not counted: the floor is a low one).
 """
 
 import argparse
@@ -102,15 +104,20 @@ def run_arm(tree: Path, out: Path, extra: list[str]) -> list[dict]:
         sys.exit(f"error: {' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "stage1" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "step_time_s" in r]
+    cfg = json.loads((out / "stage1" / "config.json").read_text())
     for r in rows:
         r["wall_s"] = round(time.perf_counter() - started, 1)
+        # the system prompt runs once a mini-batch, not once a kept trajectory (floor_shares)
+        repeats = max(r["groups_kept"] * cfg["group_size"] - cfg["minibatches"], 0)
+        r["update_tokens"] = r["train_tokens"] - repeats * prefix
     return rows
 
 
 KEYS = ("rollout_time_s", "step_time_s", "gen_tokens_per_s", "train_tokens_per_s", "peak_mem_gb",
         "logprob_diff_mean", "logprob_diff_max", "response_len", "rollout_iterations", "rollout_rows_mean",
         "rollout_columns_mean", "rollout_read_mean", "rollout_ms_per_iteration", "rollout_prefill_tokens",
-        "rollout_prefill_s", "rollout_copied_tokens", "rollout_threads_mean", "train_tokens", "problems_resampled")
+        "rollout_prefill_s", "rollout_copied_tokens", "rollout_threads_mean", "train_tokens", "update_tokens",
+        "problems_resampled")
 
 
 def floor_shares(row: dict) -> dict:
@@ -124,8 +131,8 @@ def floor_shares(row: dict) -> dict:
         out["rollout_decode_floor_s"] = round(floor["decode_floor_s"], 2)
         out["rollout_prefill_floor_s"] = round(floor["prefill_floor_s"], 2)
     update_s = row["step_time_s"] - row["rollout_time_s"]
-    if row.get("train_tokens") and update_s > 0:
-        out["update_share_of_floor"] = round(row["train_tokens"] * roofline.flops_per_token(engine_model) * 3
+    if row.get("update_tokens") and update_s > 0:
+        out["update_share_of_floor"] = round(row["update_tokens"] * roofline.flops_per_token(engine_model) * 3
                                              / (update_rate * 1e9) / update_s, 3)
     return out
 
